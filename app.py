@@ -1,0 +1,17 @@
+"""SpecLab's Streamlit entry point: the shared sidebar and st.navigation over pages/.
+
+Run it with `streamlit run app.py` (binds to 127.0.0.1; see .streamlit/config.toml)."""
+import streamlit as st
+
+from pages.common import sidebar
+
+st.set_page_config(page_title="SpecLab", page_icon=":material/speed:", layout="wide")
+
+# One line per page; the first is the default.
+PAGES = [
+    st.Page("pages/live.py", title="Live decode", icon=":material/bolt:", default=True),
+]
+
+page = st.navigation(PAGES)
+sidebar()
+page.run()

@@ -1,0 +1,127 @@
+"""Decode speed against peers measured in the same run, same models, dtype and threads:
+
+    engine `ar`      vs  HF `generate` (greedy)
+    engine `fixed:4` vs  HF assisted generation (same draft, 4 tokens, constant schedule)
+
+Run: python bench/decode.py [--json]   or   python -m engine bench decode [--json]
+Prints ratios (> 1: the engine is faster); never asserts an absolute time."""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch  # noqa: E402
+
+from engine.cli import add_model_args  # noqa: E402
+from engine.models import ModelPair, load_pair  # noqa: E402
+from engine.policies import make_policy  # noqa: E402
+from engine.prompts import bench_prompts  # noqa: E402
+from engine.speculative import Generation, GenConfig, sync_device, encode_prompt  # noqa: E402
+
+
+def _hf(pair: ModelPair, ids: list[int], max_new: int, assisted: bool) -> list[int]:
+    x = torch.tensor([ids], device=pair.device)  # [1, S]
+    kw = dict(assistant_model=pair.draft) if assisted else {}
+    out = pair.target.generate(
+        x, attention_mask=torch.ones_like(x), max_new_tokens=max_new, do_sample=False,
+        pad_token_id=pair.tokenizer.pad_token_id or pair.tokenizer.eos_token_id, **kw,
+    )
+    return out[0, len(ids):].tolist()
+
+
+def _engine(pair: ModelPair, ids: list[int], max_new: int, policy: str) -> list[int]:
+    return Generation(pair, ids, make_policy(policy), GenConfig(max_new_tokens=max_new)).run().token_ids
+
+
+def _constant_schedule(draft: torch.nn.Module, k: int) -> None:
+    """HF assisted generation at a fixed γ: no +2/−1 schedule, no confidence early stop."""
+    gc = draft.generation_config
+    gc.num_assistant_tokens = k
+    gc.num_assistant_tokens_schedule = "constant"
+    gc.assistant_confidence_threshold = 0.0
+
+
+METHODS = {
+    "hf_generate": lambda pair, ids, n: _hf(pair, ids, n, assisted=False),
+    "ar": lambda pair, ids, n: _engine(pair, ids, n, "ar"),
+    "hf_assisted": lambda pair, ids, n: _hf(pair, ids, n, assisted=True),
+    "fixed4": lambda pair, ids, n: _engine(pair, ids, n, "fixed:4"),
+}
+
+
+def measure(pair: ModelPair, prompts: list[str], max_new: int, reps: int) -> dict:
+    encoded = [encode_prompt(pair.tokenizer, p, chat=True) for p in prompts]
+    _constant_schedule(pair.draft, 4)
+    for fn in METHODS.values():  # warm-up: first-call allocations and lazy inits off the clock
+        fn(pair, encoded[0], 8)
+    tokens = dict.fromkeys(METHODS, 0)
+    seconds = dict.fromkeys(METHODS, 0.0)
+    outputs: dict[str, list[list[int]]] = {m: [] for m in METHODS}
+    names = list(METHODS)
+    with torch.inference_mode():
+        for r in range(reps):
+            for i, ids in enumerate(encoded):
+                # Rotate the order so no method always runs on a cooler or warmer machine.
+                shift = (r + i) % len(names)
+                for name in names[shift:] + names[:shift]:
+                    sync_device(pair.device)
+                    t0 = time.perf_counter()
+                    out = METHODS[name](pair, ids, max_new)
+                    sync_device(pair.device)
+                    seconds[name] += time.perf_counter() - t0
+                    tokens[name] += len(out)
+                    if r == 0:
+                        outputs[name].append(out)
+    tok_s = {m: tokens[m] / seconds[m] for m in METHODS}
+    return dict(
+        ar_tok_s=tok_s["ar"],
+        hf_generate_tok_s=tok_s["hf_generate"],
+        ar_vs_hf_generate=tok_s["ar"] / tok_s["hf_generate"],
+        fixed4_tok_s=tok_s["fixed4"],
+        hf_assisted_tok_s=tok_s["hf_assisted"],
+        fixed4_vs_hf_assisted=tok_s["fixed4"] / tok_s["hf_assisted"],
+        ar_identical_to_hf=outputs["ar"] == outputs["hf_generate"],
+        fixed4_identical_to_hf=outputs["fixed4"] == outputs["hf_generate"],
+        hf_assisted_identical_to_hf=outputs["hf_assisted"] == outputs["hf_generate"],
+        tokens=tokens,
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="bench decode", description=__doc__.splitlines()[0])
+    add_model_args(p)
+    p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--prompts-per-task", type=int, default=1, help="4 tasks: code, math, chat, summarization")
+    p.add_argument("--reps", type=int, default=2)
+    p.add_argument("--threads", type=int, default=None, help="torch threads for every method")
+    p.add_argument("--json", action="store_true")
+    a = p.parse_args(argv)
+    if a.threads:
+        torch.set_num_threads(a.threads)
+    pair = load_pair(a.target, a.draft, a.target_tier, a.draft_tier, a.device, a.trust_remote_code)
+    prompts = [prompt for _, prompt in bench_prompts(a.prompts_per_task)]
+    res = measure(pair, prompts, a.max_new_tokens, a.reps)
+    res.update(
+        target=pair.target_name, draft=pair.draft_name, target_tier=pair.target_tier,
+        draft_tier=pair.draft_tier, device=str(pair.device), threads=torch.get_num_threads(),
+        prompts=len(prompts), reps=a.reps, max_new_tokens=a.max_new_tokens,
+    )
+    if a.json:
+        print(json.dumps(res))
+    else:
+        print(f"{pair.target_name} ({pair.target_tier}) + draft {pair.draft_name} ({pair.draft_tier}) "
+              f"on {pair.device}, {res['threads']} threads, {len(prompts)} prompts × {a.reps}")
+        print(f"  engine ar      {res['ar_tok_s']:7.2f} tok/s   HF generate {res['hf_generate_tok_s']:7.2f}"
+              f"   ratio {res['ar_vs_hf_generate']:.3f}   identical {res['ar_identical_to_hf']}")
+        print(f"  engine fixed:4 {res['fixed4_tok_s']:7.2f} tok/s   HF assisted {res['hf_assisted_tok_s']:7.2f}"
+              f"   ratio {res['fixed4_vs_hf_assisted']:.3f}   identical {res['fixed4_identical_to_hf']}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

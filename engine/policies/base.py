@@ -1,0 +1,47 @@
+"""The Policy protocol every γ controller implements (DESIGN.md, "The decode step")."""
+from __future__ import annotations
+
+from typing import Protocol, runtime_checkable
+
+from engine.records import Action, DecodeState, DraftToken, StepRecord
+
+K_MAX = 8  # longest draft any policy may ask for: the acceptance traces record L(p) up to 8
+
+
+@runtime_checkable
+class Policy(Protocol):
+    name: str
+
+    def choose(self, state: DecodeState) -> Action:
+        """Before drafting: the draft length (0 = plain decoding) and prefix reuse."""
+        ...
+
+    def keep_drafting(self, state: DecodeState, j: int, token: DraftToken) -> bool:
+        """After drafting token j (0-based): draft another one? Lets a policy stop early."""
+        ...
+
+    def observe(self, record: StepRecord) -> None:
+        """After verifying: the step's outcome, for adaptive policies."""
+        ...
+
+    def reset(self) -> None:
+        """Forget per-run state before a new generation."""
+        ...
+
+
+class BasePolicy:
+    """Defaults for the optional hooks: draft the full γ, learn nothing."""
+
+    name = "base"
+
+    def choose(self, state: DecodeState) -> Action:
+        raise NotImplementedError
+
+    def keep_drafting(self, state: DecodeState, j: int, token: DraftToken) -> bool:
+        return True
+
+    def observe(self, record: StepRecord) -> None:
+        pass
+
+    def reset(self) -> None:
+        pass

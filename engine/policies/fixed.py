@@ -1,0 +1,16 @@
+"""`fixed:k` (constant γ) and `ar` (γ = 0: plain autoregressive decoding)."""
+from __future__ import annotations
+
+from engine.policies.base import K_MAX, BasePolicy
+from engine.records import Action, DecodeState
+
+
+class FixedPolicy(BasePolicy):
+    def __init__(self, k: int) -> None:
+        if not 0 <= k <= K_MAX:
+            raise ValueError(f"fixed:k needs 0 ≤ k ≤ {K_MAX}, got {k}")
+        self.k = k
+        self.name = "ar" if k == 0 else f"fixed:{k}"
+
+    def choose(self, state: DecodeState) -> Action:
+        return Action(k=self.k)

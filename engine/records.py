@@ -1,0 +1,85 @@
+"""The values that cross the engine's boundaries: what a policy sees and returns, and what a step
+and a run leave behind (the units the store keeps)."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class Action:
+    """What a policy decides before drafting."""
+
+    k: int  # draft length γ; 0 = plain decoding (one target forward, one token)
+    reuse: int = 0  # prefix tokens to take from the cross-request KV cache (later issue)
+
+    def __post_init__(self) -> None:
+        assert self.k >= 0 and self.reuse >= 0, self
+
+
+@dataclass
+class StepRecord:
+    """One decode step, as streamed to the UI and stored in DuckDB's `steps` table."""
+
+    step: int  # 0 is the prefill, which emits the first token
+    position: int  # generated tokens before this step
+    k_chosen: int  # the policy's γ
+    k_drafted: int  # tokens actually drafted (≤ k_chosen: early stop, max-length cap)
+    accepted: int  # drafted tokens the target accepted
+    emitted: int  # tokens appended this step (accepted + 1, fewer at EOS/max length)
+    token_ids: list[int]
+    mean_entropy: float | None  # bits, over drafted positions; None when nothing was drafted
+    max_entropy: float | None
+    mean_confidence: float | None  # max draft probability, averaged over drafted positions
+    min_confidence: float | None
+    entropies: list[float]
+    confidences: list[float]
+    draft_ms: float
+    verify_ms: float
+    decide_ms: float
+    context_len: int  # tokens in the context before the step (prompt + generated)
+    target_tier: str
+    kv_tier: str
+    reuse: int = 0
+
+
+@dataclass
+class DecodeState:
+    """Everything known before drafting: what a policy may base its choice on.
+
+    It deliberately holds nothing about the tokens about to be drafted, so a learned controller
+    cannot leak the answer into its own features (SpecKV's flaw, DESIGN.md)."""
+
+    step: int
+    position: int
+    context_len: int
+    remaining: int  # tokens still allowed by max_new_tokens
+    target_tier: str
+    kv_tier: str
+    history: list[StepRecord] = field(default_factory=list)
+    alpha_ewma: float | None = None  # per-token acceptance, EWMA over drafted steps
+
+    @property
+    def last(self) -> StepRecord | None:
+        return self.history[-1] if self.history else None
+
+
+@dataclass(frozen=True)
+class DraftToken:
+    """One drafted position, handed to `Policy.keep_drafting`."""
+
+    token_id: int
+    entropy: float  # bits
+    confidence: float  # max probability
+
+
+@dataclass
+class RunSummary:
+    n_tokens: int
+    n_steps: int  # decode steps after the prefill
+    wall_ms: float
+    ttft_ms: float
+    tokens_per_s: float  # generated tokens over wall time, prefill included
+    tokens_per_step: float  # tokens emitted per decode step (prefill excluded)
+    mean_accepted: float  # drafted tokens accepted per step that drafted (bonus token excluded)
+    acceptance_rate: float | None  # accepted / drafted over the run; None when nothing was drafted
+    stop_reason: str  # "eos" | "max_new_tokens" | "context"

@@ -1,0 +1,114 @@
+"""Glue shared by the pages (not a page itself): settings from the sidebar and the environment,
+the cached model pair, error display and storing a run. No decoding math here."""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import streamlit as st
+
+from engine.models import EMBEDDED_LABEL, load_pair, resolve_device
+from store import Store, StoreError
+
+DEFAULT_DB = "speclab.duckdb"
+_KEYS = {"target": "speclab_target", "draft": "speclab_draft", "db": "speclab_db"}
+_ENV = {"target": "SPECLAB_TARGET", "draft": "SPECLAB_DRAFT", "db": "SPECLAB_DB"}
+
+
+@dataclass(frozen=True)
+class Settings:
+    target: str | None  # None = the embedded pair
+    draft: str | None  # None = the engine's default draft for the target
+    db: str
+
+
+def _env(name: str) -> str:
+    return os.environ.get(_ENV[name], "") or ""
+
+
+def sidebar() -> None:
+    """The sidebar shared by every page (called from app.py): model sources and the database."""
+    with st.sidebar:
+        st.subheader("Models")
+        st.text_input(
+            "Target", value=_env("target"), key=_KEYS["target"],
+            placeholder=f"embedded ({EMBEDDED_LABEL})",
+            help="A local model directory or a Hugging Face id in the local cache. "
+                 "Empty: the embedded model (env SPECLAB_TARGET).",
+        )
+        st.text_input(
+            "Draft", value=_env("draft"), key=_KEYS["draft"], placeholder="engine default",
+            help="Must share the target's tokenizer. Empty: the engine's default draft "
+                 "(env SPECLAB_DRAFT).",
+        )
+        st.text_input(
+            "Database", value=_env("db") or DEFAULT_DB, key=_KEYS["db"],
+            help="DuckDB file that keeps every run (env SPECLAB_DB).",
+        )
+        try:
+            st.caption(f"Device: {resolve_device(None)}")
+        except Exception as e:  # noqa: BLE001 - the sidebar must never break the page
+            show_error(e)
+
+
+def settings() -> Settings:
+    """Current settings: the sidebar's values, else the environment's."""
+    def value(name: str) -> str:
+        v = st.session_state.get(_KEYS[name])
+        return (_env(name) if v is None else v).strip()
+
+    return Settings(target=value("target") or None, draft=value("draft") or None,
+                    db=value("db") or DEFAULT_DB)
+
+
+def one_line(text: str, limit: int = 300) -> str:
+    text = " ".join(str(text).split())
+    return text if len(text) <= limit else text[: limit - 1] + "…"
+
+
+def show_error(e: BaseException) -> None:
+    """One line, never a traceback: user-input errors as their message, others with their type."""
+    if isinstance(e, (ValueError, StoreError)):
+        st.error(one_line(str(e)) or type(e).__name__)
+    else:
+        st.error(one_line(f"{type(e).__name__}: {e}"))
+
+
+@st.cache_resource(show_spinner=False, max_entries=2)
+def _pair(target: str | None, draft: str | None, target_tier: str):
+    return load_pair(target, draft, target_tier=target_tier)
+
+
+def get_pair(s: Settings, target_tier: str):
+    """The model pair, loaded once per (target, draft, target tier) for the whole process.
+    Raises the engine's ValueError for bad sources/tiers (errors are not cached)."""
+    label = f"{s.target or EMBEDDED_LABEL} + {s.draft or 'default draft'} ({target_tier})"
+    with st.spinner(f"Loading {label}…"):
+        return _pair(s.target, s.draft, target_tier)
+
+
+@dataclass
+class Saved:
+    run_id: str | None
+    level: str  # "success" | "warning" | "error"
+    message: str
+
+
+def save_run(db: str, row: dict, steps: list[dict]) -> Saved:
+    """Store a run with its steps. The file is opened only for the write, so other processes
+    (CLI, bench) can use it in between; if another process holds it the store stages the run."""
+    try:
+        with Store(db, wait_s=3.0) as store:
+            run_id = store.add_run(row, steps)
+            if store.staged:
+                return Saved(run_id, "warning", one_line(store.message))
+            note = f" ({one_line(store.message)})" if store.message else ""
+            return Saved(run_id, "success", f"Stored as run {run_id} in {db}{note}")
+    except StoreError as e:
+        return Saved(None, "error", one_line(str(e)))
+    except Exception as e:  # noqa: BLE001 - shown as one line, never a traceback
+        return Saved(None, "error", one_line(f"{type(e).__name__}: {e}"))
+
+
+def show_saved(saved: Saved) -> None:
+    getattr(st, saved.level)(saved.message)

@@ -1,0 +1,226 @@
+"""Live decode: one generation streamed step by step, with the draft's signals as they happen.
+Glue only: the engine decodes, the store keeps the run, this page shows both."""
+from __future__ import annotations
+
+import time
+from dataclasses import asdict
+
+import pandas as pd
+import plotly.graph_objects as go
+import streamlit as st
+from plotly.subplots import make_subplots
+
+from engine.models import TIERS
+from engine.policies import POLICY_EXAMPLES, make_policy
+from engine.speculative import GenConfig, Generation, encode_prompt, run_row
+from pages.common import get_pair, save_run, settings, show_error, show_saved, Saved
+
+RESULT_KEY = "live_result"
+DEFAULT_PROMPT = "Explain speculative decoding to a new engineer in three sentences."
+CHART_INTERVAL_S = 0.25  # redraw the charts at most this often (every step is too costly on GPU)
+# Per-step columns for the table; the per-position lists stay in the store.
+TABLE_COLUMNS = [
+    "step", "position", "k_chosen", "k_drafted", "accepted", "emitted", "text",
+    "mean_entropy", "max_entropy", "mean_confidence", "min_confidence",
+    "draft_ms", "verify_ms", "decide_ms", "context_len",
+]
+
+
+# -- charts ----------------------------------------------------------------------------------------
+class StepChart:
+    """One figure, four panels, built once and grown in place step by step."""
+
+    # (panel row, col, trace name, record field, kind)
+    TRACES = [
+        (1, 1, "mean H", "mean_entropy", "line"),
+        (1, 1, "max H", "max_entropy", "line"),
+        (1, 2, "mean conf", "mean_confidence", "line"),
+        (1, 2, "min conf", "min_confidence", "line"),
+        (2, 1, "drafted", "k_drafted", "bar"),
+        (2, 1, "accepted", "accepted", "bar"),
+        (2, 2, "chosen γ", "k_chosen", "step"),
+    ]
+
+    def __init__(self) -> None:
+        fig = make_subplots(
+            rows=2, cols=2, vertical_spacing=0.16, horizontal_spacing=0.08,
+            subplot_titles=("Draft entropy (bits)", "Draft confidence",
+                            "Accepted vs drafted", "Chosen γ"),
+        )
+        for row, col, name, _, kind in self.TRACES:
+            if kind == "bar":
+                trace = go.Bar(name=name, x=[], y=[])
+            else:
+                shape = "hv" if kind == "step" else "linear"
+                trace = go.Scatter(name=name, x=[], y=[], mode="lines+markers",
+                                   line_shape=shape, marker_size=4, connectgaps=False)
+            fig.add_trace(trace, row=row, col=col)
+        fig.update_layout(
+            height=460, margin=dict(l=10, r=10, t=40, b=10), barmode="overlay",
+            legend=dict(orientation="h", y=-0.08), uirevision="live",
+        )
+        fig.update_yaxes(range=[0, 1.02], row=1, col=2)
+        fig.update_xaxes(title_text="step", row=2)
+        self.fig = fig
+        self.x: list[int] = []
+        self.y: list[list] = [[] for _ in self.TRACES]
+
+    def add(self, rec: dict) -> None:
+        if rec["step"] == 0:  # the prefill drafts nothing
+            return
+        self.x.append(rec["step"])
+        for ys, (_, _, _, field, _) in zip(self.y, self.TRACES):
+            ys.append(rec[field])
+
+    def figure(self) -> go.Figure:
+        with self.fig.batch_update():
+            for trace, ys in zip(self.fig.data, self.y):
+                trace.x, trace.y = self.x, ys
+        return self.fig
+
+    @classmethod
+    def of(cls, steps: list[dict]) -> go.Figure:
+        chart = cls()
+        for rec in steps:
+            chart.add(rec)
+        return chart.figure()
+
+
+def _default_policy() -> int:
+    return POLICY_EXAMPLES.index("fixed:4") if "fixed:4" in POLICY_EXAMPLES else 0
+
+
+# -- inputs ----------------------------------------------------------------------------------------
+def inputs() -> tuple[bool, dict]:
+    """The form; widgets inside it do not rerun the page until Generate is pressed."""
+    with st.form("live_form", border=False):
+        prompt = st.text_area("Prompt", value=DEFAULT_PROMPT, height=110, key="live_prompt")
+        c1, c2, c3 = st.columns(3)
+        chosen = c1.selectbox("Policy", POLICY_EXAMPLES, index=_default_policy(), key="live_policy",
+                              help="γ controller; a typed spec on the right overrides it")
+        typed = c2.text_input("…or any policy spec", key="live_policy_spec",
+                              placeholder="e.g. fixed:6, threshold:0.3")
+        tier = c3.selectbox("Target tier", TIERS, key="live_tier",
+                            help="Target weight tier. fp16 needs CUDA; int8/nf4 use bitsandbytes.")
+        c1, c2, c3, c4 = st.columns(4)
+        max_new = c1.number_input("Max new tokens", min_value=1, max_value=8192, value=64,
+                                  step=16, key="live_max_new")
+        temperature = c2.number_input("Temperature", min_value=0.0, max_value=5.0, value=0.0,
+                                      step=0.1, key="live_temperature", help="0 = greedy")
+        top_p = c3.number_input("Top-p", min_value=0.01, max_value=1.0, value=1.0, step=0.05,
+                                key="live_top_p")
+        seed = c4.number_input("Seed", min_value=0, max_value=2**31 - 1, value=None, step=1,
+                               key="live_seed", placeholder="random",
+                               help="Sampling seed; empty draws one (it is recorded with the run)")
+        chat = st.checkbox("Chat template", value=True, key="live_chat")
+        go_ = st.form_submit_button("Generate", type="primary", key="live_generate")
+    return go_, dict(
+        prompt=prompt, chat=chat, policy=(typed or "").strip() or chosen, tier=tier,
+        max_new_tokens=int(max_new), temperature=float(temperature), top_p=float(top_p),
+        seed=None if seed is None else int(seed),
+    )
+
+
+# -- a generation ----------------------------------------------------------------------------------
+def _step_row(rec, tokenizer) -> dict:
+    row = {k: v for k, v in asdict(rec).items() if k in TABLE_COLUMNS}
+    row["text"] = tokenizer.decode(rec.token_ids, skip_special_tokens=False)
+    return row
+
+
+def generate(inp: dict, out_ph, chart_ph) -> dict | None:
+    """Run one generation, streaming into the placeholders; the result, or None after an error
+    (already shown)."""
+    s = settings()
+    try:
+        make_policy(inp["policy"])  # fail fast on a bad spec, before loading any model
+        pair = get_pair(s, inp["tier"])
+        ids = encode_prompt(pair.tokenizer, inp["prompt"], chat=inp["chat"])
+        cfg = GenConfig(max_new_tokens=inp["max_new_tokens"], temperature=inp["temperature"],
+                        top_p=inp["top_p"], seed=inp["seed"])
+        gen = Generation(pair, ids, make_policy(inp["policy"]), cfg)
+    except Exception as e:  # noqa: BLE001 - one line in the UI, never a traceback
+        show_error(e)
+        return None
+
+    tok = pair.tokenizer
+    chart = StepChart()
+    steps: list[dict] = []
+    ui_s, last_chart, n_charts = 0.0, 0.0, 0
+    try:
+        for rec in gen:
+            t0 = time.perf_counter()
+            out_ph.text(tok.decode(gen.token_ids, skip_special_tokens=True), width="stretch")
+            row = _step_row(rec, tok)
+            steps.append(row)
+            chart.add(row)
+            if t0 - last_chart >= CHART_INTERVAL_S:
+                n_charts += 1
+                chart_ph.plotly_chart(chart.figure(), key=f"live_chart_{n_charts}")
+                last_chart = time.perf_counter()
+            ui_s += time.perf_counter() - t0
+    except Exception as e:  # noqa: BLE001
+        show_error(e)
+        return None
+
+    try:
+        row = run_row(gen, inp["prompt"], inp["policy"], inp["chat"])
+        saved = save_run(s.db, row, [asdict(r) for r in gen.records])
+    except Exception as e:  # noqa: BLE001 - the result is still shown
+        saved = Saved(None, "error", f"run not stored: {type(e).__name__}: {e}")
+    return dict(
+        output=tok.decode(gen.token_ids, skip_special_tokens=True),
+        summary=asdict(gen.summary),
+        steps=steps,
+        saved=saved,
+        ui_ms=ui_s * 1e3,
+        label=(f"{pair.target_name} ({pair.target_tier}) ← {pair.draft_name} ({pair.draft_tier})"
+               f" · {inp['policy']} · {pair.device} · seed {gen.cfg.seed}"),
+    )
+
+
+# -- the result ------------------------------------------------------------------------------------
+def _fmt(v, spec: str) -> str:
+    return "—" if v is None else format(v, spec)
+
+
+def show_result(res: dict, out_ph, chart_ph) -> None:
+    s = res["summary"]
+    out_ph.text(res["output"], width="stretch")
+    chart_ph.plotly_chart(StepChart.of(res["steps"]), key="live_chart_result")
+    cols = st.columns(6)
+    cols[0].metric("Tokens/s", _fmt(s["tokens_per_s"], ".1f"))
+    cols[1].metric("TTFT ms", _fmt(s["ttft_ms"], ".1f"))
+    cols[2].metric("Tokens/step", _fmt(s["tokens_per_step"], ".2f"))
+    cols[3].metric("Mean accepted", _fmt(s["mean_accepted"], ".2f"))
+    cols[4].metric("Acceptance rate", _fmt(s["acceptance_rate"], ".0%"))
+    cols[5].metric("Stop reason", s["stop_reason"])
+    st.caption(
+        f"{res['label']} · {s['n_tokens']} tokens in {s['n_steps']} steps, "
+        f"{s['wall_ms']:.0f} ms wall (of which {res['ui_ms']:.0f} ms streaming to the UI)"
+    )
+    show_saved(res["saved"])
+    st.dataframe(pd.DataFrame(res["steps"], columns=TABLE_COLUMNS), hide_index=True,
+                 width="stretch")
+
+
+@st.fragment
+def live_panel() -> None:
+    """Pressing Generate reruns only this panel."""
+    go_, inp = inputs()
+    out_box = st.container(border=True)
+    out_ph = out_box.empty()
+    chart_ph = st.empty()
+    if go_:
+        st.session_state[RESULT_KEY] = None
+        st.session_state[RESULT_KEY] = generate(inp, out_ph, chart_ph)
+    res = st.session_state.get(RESULT_KEY)
+    if res:
+        show_result(res, out_ph, chart_ph)
+    elif not go_:
+        out_ph.caption("The output streams here.")
+
+
+st.title("Live decode")
+st.caption("One generation, step by step: the draft proposes γ tokens, the target verifies them.")
+live_panel()

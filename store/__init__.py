@@ -1,0 +1,11 @@
+"""SpecLab's DuckDB store: runs and per-step records. Never imports torch."""
+
+from __future__ import annotations
+
+from .errors import StoreError
+from .schema import MIGRATIONS, SCHEMA_VERSION
+from .staging import StagedWrite
+from .staging import pending as pending_staged
+from .store import Store
+
+__all__ = ["MIGRATIONS", "SCHEMA_VERSION", "StagedWrite", "Store", "StoreError", "pending_staged"]

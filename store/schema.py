@@ -1,0 +1,168 @@
+"""Schema as an ordered list of migrations; the SQL text is the single source of truth.
+
+Migration i (0-based) brings a database from schema_version i to i + 1. To change the
+schema, append a SQL string; never edit one that has shipped, files in the wild ran it.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import duckdb
+import pyarrow as pa
+
+from .errors import StoreError
+
+MIGRATIONS: list[str] = [
+    # 1: runs and their per-step records.
+    """
+    CREATE TABLE runs (
+        run_id VARCHAR PRIMARY KEY,
+        created_at TIMESTAMP DEFAULT CAST(now() AS TIMESTAMP),
+        target VARCHAR,
+        draft VARCHAR,
+        target_tier VARCHAR,
+        kv_tier VARCHAR,
+        device VARCHAR,
+        policy VARCHAR,
+        prompt VARCHAR,
+        task VARCHAR,
+        chat BOOLEAN,
+        temperature DOUBLE,
+        top_p DOUBLE,
+        seed BIGINT,
+        max_new_tokens INTEGER,
+        output VARCHAR,
+        token_ids INTEGER[],
+        n_tokens INTEGER,
+        n_steps INTEGER,
+        tokens_per_s DOUBLE,
+        ttft_ms DOUBLE,
+        wall_ms DOUBLE,
+        tokens_per_step DOUBLE,
+        mean_accepted DOUBLE,
+        acceptance_rate DOUBLE,
+        stop_reason VARCHAR,
+        error VARCHAR,
+        config JSON
+    );
+    CREATE TABLE steps (
+        run_id VARCHAR NOT NULL,
+        step INTEGER NOT NULL,
+        position INTEGER,
+        k_chosen INTEGER,
+        k_drafted INTEGER,
+        accepted INTEGER,
+        emitted INTEGER,
+        token_ids INTEGER[],
+        mean_entropy DOUBLE,
+        max_entropy DOUBLE,
+        mean_confidence DOUBLE,
+        min_confidence DOUBLE,
+        entropies DOUBLE[],
+        confidences DOUBLE[],
+        draft_ms DOUBLE,
+        verify_ms DOUBLE,
+        decide_ms DOUBLE,
+        context_len INTEGER,
+        reuse INTEGER,
+        target_tier VARCHAR,
+        kv_tier VARCHAR,
+        PRIMARY KEY (run_id, step)
+    );
+    """,
+]
+
+SCHEMA_VERSION: int = len(MIGRATIONS)
+
+_META_DDL = "CREATE TABLE IF NOT EXISTS meta (schema_version INTEGER NOT NULL)"
+
+# DuckDB type name -> Arrow type used to build insert batches and staged Parquet files.
+_ARROW_TYPES: dict[str, pa.DataType] = {
+    "VARCHAR": pa.string(),
+    "JSON": pa.string(),
+    "BOOLEAN": pa.bool_(),
+    "INTEGER": pa.int32(),
+    "BIGINT": pa.int64(),
+    "DOUBLE": pa.float64(),
+    "TIMESTAMP": pa.timestamp("us"),
+    "INTEGER[]": pa.list_(pa.int32()),
+    "BIGINT[]": pa.list_(pa.int64()),
+    "DOUBLE[]": pa.list_(pa.float64()),
+}
+
+
+def schema_version(con: duckdb.DuckDBPyConnection) -> int:
+    """Version recorded in the file; 0 for a file without our meta table."""
+    has_meta = con.execute(
+        "SELECT count(*) FROM information_schema.tables"
+        " WHERE table_name = 'meta' AND table_schema = 'main'"
+    ).fetchone()
+    if not has_meta or has_meta[0] == 0:
+        return 0
+    row = con.execute("SELECT max(schema_version) FROM meta").fetchone()
+    return int(row[0]) if row and row[0] is not None else 0
+
+
+def migrate(con: duckdb.DuckDBPyConnection, label: str) -> int:
+    """Apply the missing migrations, each in its own transaction; returns the version."""
+    current = schema_version(con)
+    if current > SCHEMA_VERSION:
+        raise StoreError(
+            f"{label} has schema version {current}, newer than this SpecLab"
+            f" understands ({SCHEMA_VERSION}); upgrade SpecLab to open it"
+        )
+    for version in range(current, SCHEMA_VERSION):
+        con.execute("BEGIN TRANSACTION")
+        try:
+            con.execute(_META_DDL)
+            con.execute(MIGRATIONS[version])
+            con.execute("DELETE FROM meta")
+            con.execute("INSERT INTO meta VALUES (?)", [version + 1])
+            con.execute("COMMIT")
+        except BaseException:
+            con.execute("ROLLBACK")
+            raise
+    return SCHEMA_VERSION
+
+
+def check_readable(con: duckdb.DuckDBPyConnection, label: str) -> None:
+    """A read-only connection cannot migrate, so it needs a file that is already current."""
+    current = schema_version(con)
+    if current > SCHEMA_VERSION:
+        raise StoreError(
+            f"{label} has schema version {current}, newer than this SpecLab"
+            f" understands ({SCHEMA_VERSION}); upgrade SpecLab to open it"
+        )
+    if current < SCHEMA_VERSION:
+        raise StoreError(
+            f"{label} has schema version {current} but {SCHEMA_VERSION} is needed and it is"
+            " open read-only; open it read-write once to migrate it"
+        )
+
+
+@functools.cache
+def columns(table: str) -> tuple[tuple[str, str], ...]:
+    """(name, duckdb type) of a table at the latest version, in table order.
+
+    Derived by running the migrations in memory so that it also works while the real
+    file is locked (staging mode) and can never drift from the SQL above.
+    """
+    con = duckdb.connect(":memory:")
+    try:
+        migrate(con, ":memory:")
+        rows = con.execute(
+            "SELECT column_name, data_type FROM information_schema.columns"
+            " WHERE table_name = ? AND table_schema = 'main' ORDER BY ordinal_position",
+            [table],
+        ).fetchall()
+    finally:
+        con.close()
+    if not rows:
+        raise KeyError(table)
+    return tuple((str(name), str(dtype)) for name, dtype in rows)
+
+
+def arrow_schema(table: str) -> pa.Schema:
+    """Arrow schema matching the table, so inserts and Parquet files carry exact types."""
+    return pa.schema([(name, _ARROW_TYPES[dtype]) for name, dtype in columns(table)])

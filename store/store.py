@@ -1,0 +1,240 @@
+"""The Store: runs and steps in a DuckDB file, with staging when another process holds it."""
+
+from __future__ import annotations
+
+import os
+import threading
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from types import TracebackType
+from typing import Any
+
+import duckdb
+import pandas as pd
+
+from . import connection
+from .connection import LockedError, acquire, connect_with_wait, release, unreadable
+from .errors import StoreError
+from .rows import prepare_run, prepare_steps, to_table
+from .schema import check_readable, columns, migrate
+from .staging import StagedWrite, ingest_staged, insert_arrow, stage, staging_dir
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else type(exc).__name__
+
+
+# DuckDB gives int64 for an integer column without NULLs and Int64 with them; callers
+# concatenating or comparing frames need the same dtype whatever the data.
+_PANDAS_DTYPES = {"INTEGER": "Int32", "BIGINT": "Int64", "BOOLEAN": "boolean"}
+
+
+def _typed(df: pd.DataFrame, table: str) -> pd.DataFrame:
+    for name, dtype in columns(table):
+        if dtype in _PANDAS_DTYPES and name in df.columns:
+            df[name] = df[name].astype(_PANDAS_DTYPES[dtype])
+    return df
+
+
+class Store:
+    """Handle on one SpecLab database file (or ":memory:").
+
+    Attributes callers read: path, read_only, staged (True when the file was locked by
+    another process and writes go to Parquet staging), message (one line for the UI,
+    "" when there is nothing to say), staged_writes (StagedWrite per run staged by this
+    Store), ingested (run_ids moved in from staging when this Store opened).
+    """
+
+    def __init__(self, path: str | os.PathLike[str] = "speclab.duckdb", *,
+                 wait_s: float = 10.0, read_only: bool = False) -> None:
+        self.path: str = os.fspath(path)
+        self.read_only = read_only
+        self.wait_s = wait_s
+        self.staged = False
+        self.message = ""
+        self.staged_writes: list[StagedWrite] = []
+        self.ingested: list[str] = []
+        self._con: duckdb.DuckDBPyConnection | None = None
+        self._registered = False
+        self._closed = False
+        self._holder_pid: int | None = None
+        # A DuckDB cursor must not be used by two threads at once (Streamlit reruns do).
+        self._lock = threading.RLock()
+        if self.path == connection.MEMORY:
+            self._con = duckdb.connect(connection.MEMORY)
+            migrate(self._con, self.path)
+        else:
+            self._open_file()
+
+    # ----- opening -------------------------------------------------------------------
+    @property
+    def _name(self) -> str:
+        return os.path.basename(self.path) or self.path
+
+    def _open_file(self) -> None:
+        try:
+            shared, _fresh = acquire(self.path, self.read_only, self.wait_s)
+        except LockedError as exc:
+            self._on_locked(exc.pid)
+            return
+        self._registered = True
+        try:
+            self._con = shared.cursor()
+            self._prepare(self._con)
+        except BaseException:
+            self.close()
+            raise
+
+    def _prepare(self, con: duckdb.DuckDBPyConnection) -> None:
+        try:
+            if self.read_only:
+                check_readable(con, self.path)
+                return
+            migrate(con, self.path)
+            self.ingested = ingest_staged(con, self.path)
+        except duckdb.Error as exc:
+            raise unreadable(self.path, exc) from None
+        if self.ingested:
+            self.message = (f"ingested {len(self.ingested)} staged run(s) from"
+                            f" {staging_dir(self._name)}/")
+
+    def _locked_text(self, pid: int | None) -> str:
+        holder = f" (pid {pid})" if pid else ""
+        return f"{self._name} is locked by another process{holder}"
+
+    def _on_locked(self, pid: int | None) -> None:
+        if self.read_only:
+            raise StoreError(f"{self._locked_text(pid)} and cannot be read now;"
+                             " try again once that process closes it")
+        # Not failing here is the point: a finished generation must never be lost
+        # because the UI (or a benchmark) happens to hold the file.
+        self.staged = True
+        self._holder_pid = pid
+        self.message = (f"{self._locked_text(pid)}; runs are staged in"
+                        f" {staging_dir(self._name)}/ and ingested on next open")
+
+    # ----- writing -------------------------------------------------------------------
+    def add_run(self, run: Mapping[str, Any], steps: Sequence[Mapping[str, Any]] = ()) -> str:
+        """Store one run and its steps atomically; returns its run_id."""
+        self._check_open()
+        if self.read_only:
+            raise StoreError(f"{self.path} is open read-only; cannot add a run")
+        run_row = prepare_run(run)
+        run_id: str = run_row["run_id"]
+        run_table = to_table("runs", "run", [run_row])
+        steps_table = to_table("steps", "steps", prepare_steps(run_id, steps or ()))
+        with self._lock:
+            if self.staged:
+                self.staged_writes.append(stage(self.path, run_table, steps_table))
+                self.message = (f"{self._locked_text(self._holder_pid)}; run {run_id} staged in"
+                                f" {staging_dir(self._name)}/ and ingested on next open")
+                return run_id
+            self._insert(run_id, run_table, steps_table)
+        return run_id
+
+    def _insert(self, run_id: str, run_table: Any, steps_table: Any) -> None:
+        con = self._cursor()
+        con.execute("BEGIN TRANSACTION")
+        try:
+            insert_arrow(con, "runs", run_table)
+            insert_arrow(con, "steps", steps_table)
+            con.execute("COMMIT")
+        except duckdb.Error as exc:
+            con.execute("ROLLBACK")
+            raise StoreError(f"run {run_id} not stored ({_first_line(exc)})") from None
+        except BaseException:
+            con.execute("ROLLBACK")
+            raise
+
+    # ----- reading -------------------------------------------------------------------
+    def runs(self, **equals: Any) -> pd.DataFrame:
+        """Runs whose columns equal the given values (None matches NULL), oldest first."""
+        known = {name for name, _ in columns("runs")}
+        clauses: list[str] = []
+        params: list[Any] = []
+        for key, value in equals.items():
+            if key not in known:
+                raise StoreError(f"runs(): unknown column {key!r}"
+                                 f" (known: {', '.join(n for n, _ in columns('runs'))})")
+            if value is None:
+                clauses.append(f'"{key}" IS NULL')
+            else:
+                clauses.append(f'"{key}" = ?')
+                params.append(value)
+        where = f" WHERE {' AND '.join(clauses)}" if clauses else ""
+        sql = f"SELECT * FROM runs{where} ORDER BY created_at, run_id"
+        with self._reader() as con:
+            return _typed(con.execute(sql, params).df(), "runs")
+
+    def steps(self, run_id: str | None = None) -> pd.DataFrame:
+        """Steps of one run, or of all runs ordered like runs(), then by step."""
+        where = " WHERE s.run_id = ?" if run_id is not None else ""
+        sql = (f"SELECT s.* FROM steps s LEFT JOIN runs r ON r.run_id = s.run_id{where}"
+               " ORDER BY r.created_at, s.run_id, s.step")
+        with self._reader() as con:
+            return _typed(con.execute(sql, [run_id] if run_id is not None else []).df(), "steps")
+
+    def run(self, run_id: str) -> dict[str, Any]:
+        """One run as a dict of plain Python values (lists, datetime, None)."""
+        with self._reader() as con:
+            cur = con.execute("SELECT * FROM runs WHERE run_id = ?", [run_id])
+            row = cur.fetchone()
+            names = [d[0] for d in cur.description]
+        if row is None:
+            raise StoreError(f"no run {run_id!r} in {self.path}")
+        return dict(zip(names, row))
+
+    @contextmanager
+    def _reader(self) -> Iterator[duckdb.DuckDBPyConnection]:
+        self._check_open()
+        with self._lock:
+            if not self.staged:
+                yield self._cursor()
+                return
+            # Staging mode: a short-lived read-only connection works once the other
+            # process has let go; kept short so it never blocks a later read-write open.
+            try:
+                con = connect_with_wait(self.path, read_only=True, wait_s=0.0)
+            except LockedError as exc:
+                raise StoreError(f"{self._locked_text(exc.pid)} and cannot be read now;"
+                                 " try again once that process closes it") from None
+            try:
+                check_readable(con, self.path)
+                yield con
+            finally:
+                con.close()
+
+    def _cursor(self) -> duckdb.DuckDBPyConnection:
+        assert self._con is not None  # only called when not staged and open
+        return self._con
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise StoreError(f"the Store for {self.path} is closed")
+
+    # ----- lifetime ------------------------------------------------------------------
+    def close(self) -> None:
+        """Release this Store; the file lock goes when the last Store on it closes."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            if self._con is not None:
+                self._con.close()
+                self._con = None
+            if self._registered:
+                self._registered = False
+                release(self.path)
+
+    def __enter__(self) -> Store:
+        return self
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        mode = "staged" if self.staged else ("read-only" if self.read_only else "read-write")
+        state = "closed" if self._closed else mode
+        return f"Store({self.path!r}, {state})"

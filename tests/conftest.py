@@ -1,0 +1,30 @@
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(Path(__file__).parent))
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+from tiny import save_tiny_llama  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def tiny_dirs(tmp_path_factory) -> tuple[Path, Path]:
+    """(target, draft): a tiny random target and a noisy copy of it as the draft."""
+    root = tmp_path_factory.mktemp("tiny")
+    target = save_tiny_llama(root / "target", seed=0)
+    draft = save_tiny_llama(root / "draft", seed=1, base=target, noise=0.15)
+    return target, draft
+
+
+@pytest.fixture(scope="session")
+def tiny_pair(tiny_dirs):
+    from engine.models import load_pair
+
+    target, draft = tiny_dirs
+    return load_pair(str(target), str(draft), target_tier="fp32", device="cpu")

@@ -1,0 +1,133 @@
+"""The Streamlit front end, driven headless with AppTest on the tiny test models."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from streamlit.testing.v1 import AppTest
+
+from store import Store
+
+APP = Path(__file__).resolve().parents[1] / "app.py"  # AppTest resolves relative paths oddly
+
+
+@pytest.fixture(autouse=True)
+def _navigation_mode(monkeypatch):
+    """AppTest resets PagesManager.uses_pages_directory to None before every run, so with a
+    `pages/` folder beside app.py each rerun takes Streamlit's MPA-v1 path and executes the
+    page file alone, skipping app.py (and its sidebar). A real server sets the flag to False
+    for good once st.navigation has run; do the same here."""
+    from streamlit.runtime.pages_manager import PagesManager
+
+    init = PagesManager.__init__
+
+    def patched(self, *args, **kwargs):
+        init(self, *args, **kwargs)
+        PagesManager.uses_pages_directory = False
+
+    monkeypatch.setattr(PagesManager, "__init__", patched)
+
+
+@pytest.fixture
+def app_env(tiny_dirs, tmp_path, monkeypatch) -> Path:
+    target, draft = tiny_dirs
+    db = tmp_path / "ui.duckdb"
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("SPECLAB_TARGET", str(target))
+    monkeypatch.setenv("SPECLAB_DRAFT", str(draft))
+    monkeypatch.setenv("SPECLAB_DB", str(db))
+    return db
+
+
+def _app() -> AppTest:
+    at = AppTest.from_file(str(APP), default_timeout=60)
+    return at.run()
+
+
+def _errors(at: AppTest) -> list[str]:
+    return [e.value for e in at.error]
+
+
+def test_app_renders(app_env):
+    at = _app()
+    assert not at.exception
+    assert not _errors(at)
+    assert at.title[0].value == "Live decode"
+    assert [b.label for b in at.button] == ["Generate"]
+    # The sidebar starts from the environment.
+    assert at.sidebar.text_input(key="speclab_db").value == str(app_env)
+    assert at.selectbox(key="live_policy").value == "fixed:4"
+    assert at.checkbox(key="live_chat").value is True
+
+
+def test_generate_streams_summarises_and_stores(app_env):
+    at = _app()
+    at.text_area(key="live_prompt").set_value("Hello, how are you?")
+    at.number_input(key="live_max_new").set_value(16)
+    at.button(key="live_generate").click().run(timeout=60)
+    assert not at.exception
+    assert not _errors(at), _errors(at)
+
+    metrics = {m.label: m.value for m in at.metric}
+    assert set(metrics) == {"Tokens/s", "TTFT ms", "Tokens/step", "Mean accepted",
+                            "Acceptance rate", "Stop reason"}
+    assert float(metrics["Tokens/s"]) > 0
+    assert metrics["Stop reason"] in {"eos", "max_new_tokens", "context"}
+    assert len(at.get("plotly_chart")) == 1
+
+    saved = [s.value for s in at.success]
+    assert len(saved) == 1 and saved[0].startswith("Stored as run "), saved
+    run_id = saved[0].split()[3]
+
+    table = at.dataframe[0].value
+    assert list(table["step"]) == list(range(len(table)))
+    assert table["emitted"].sum() <= 16
+
+    with Store(app_env) as store:
+        run = store.run(run_id)
+        steps = store.steps(run_id)
+    assert run["policy"] == "fixed:4" and run["prompt"] == "Hello, how are you?"
+    assert run["n_tokens"] == table["emitted"].sum() and 1 <= run["n_tokens"] <= 16
+    assert len(steps) == len(table) and list(steps["step"]) == list(table["step"])
+    # The output the page shows is the stored output (the tiny char model may emit specials only).
+    shown = [t.value for t in at.text]
+    assert run["output"] in shown
+
+    # A rerun (any widget) still shows the last result from session state, with the sidebar.
+    at.run()
+    assert not at.exception
+    assert at.sidebar.text_input(key="speclab_db").value == str(app_env)
+    assert {m.label for m in at.metric} == set(metrics)
+    assert run["output"] in [t.value for t in at.text]
+
+
+def test_bad_policy_is_one_line_error(app_env):
+    at = _app()
+    at.text_input(key="live_policy_spec").set_value("fixed:99")
+    at.button(key="live_generate").click().run(timeout=60)
+    assert not at.exception
+    errors = _errors(at)
+    assert len(errors) == 1 and "\n" not in errors[0]
+    assert "fixed:k" in errors[0] and "99" in errors[0]
+    assert not at.metric  # nothing ran
+    assert not app_env.exists()  # and nothing was stored
+
+
+def test_engine_errors_are_one_line(app_env, monkeypatch):
+    # fp16 on CPU is refused by the engine; a missing model directory too.
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("fp16 is valid on CUDA")
+    at = _app()
+    at.selectbox(key="live_tier").set_value("fp16")
+    at.button(key="live_generate").click().run(timeout=60)
+    assert not at.exception
+    assert len(_errors(at)) == 1 and "fp16" in _errors(at)[0]
+
+    at.sidebar.text_input(key="speclab_target").set_value("/nonexistent/model").run()
+    at.selectbox(key="live_tier").set_value("fp32")
+    at.button(key="live_generate").click().run(timeout=60)
+    assert not at.exception
+    errors = _errors(at)
+    assert len(errors) == 1 and "\n" not in errors[0] and "/nonexistent/model" in errors[0]

@@ -1,0 +1,81 @@
+import pytest
+
+from engine.policies import K_MAX, POLICY_EXAMPLES, make_policy
+from engine.records import DecodeState, DraftToken, StepRecord
+
+
+def _state(history=()):
+    return DecodeState(step=1, position=1, context_len=10, remaining=50, target_tier="fp32",
+                       kv_tier="native", history=list(history))
+
+
+def _rec(k_chosen, k_drafted, accepted, ents=(), confs=()):
+    from engine.signals import summarize
+
+    ents, confs = list(ents) or [0.5] * k_drafted, list(confs) or [0.9] * k_drafted
+    return StepRecord(step=1, position=0, k_chosen=k_chosen, k_drafted=k_drafted, accepted=accepted,
+                      emitted=accepted + 1, token_ids=[0] * (accepted + 1), **summarize(ents, confs),
+                      entropies=ents, confidences=confs, draft_ms=0, verify_ms=0, decide_ms=0,
+                      context_len=10, target_tier="fp32", kv_tier="native")
+
+
+@pytest.mark.parametrize("spec", POLICY_EXAMPLES + ["fixed:0", "fixed:8", "threshold:0.7", "heuristic:2"])
+def test_examples_parse_and_choose_a_valid_k(spec):
+    pol = make_policy(spec)
+    k = pol.choose(_state()).k
+    assert 0 <= k <= K_MAX
+
+
+@pytest.mark.parametrize("spec,msg", [
+    ("fixed:9", "0 ≤ k ≤ 8"), ("fixed:x", "expected an integer"), ("nope", "unknown policy"),
+    ("threshold:2", "0 ≤ c ≤ 1"), ("ar:3", "takes no"), ("rules:1", "takes no"),
+])
+def test_bad_specs_fail_with_one_line(spec, msg):
+    with pytest.raises(ValueError, match=msg) as e:
+        make_policy(spec)
+    assert "\n" not in str(e.value)
+
+
+def test_ar_and_fixed():
+    assert make_policy("ar").choose(_state()).k == 0
+    assert make_policy("fixed:6").choose(_state()).k == 6
+    assert make_policy("fixed:0").name == "ar"
+
+
+def test_heuristic_is_hf_schedule():
+    pol = make_policy("heuristic")
+    assert pol.choose(_state()).k == 4
+    pol.observe(_rec(4, 4, 4))  # fully accepted: +2
+    assert pol.choose(_state()).k == 6
+    pol.observe(_rec(6, 6, 2))  # a rejection: −1
+    assert pol.choose(_state()).k == 5
+    for _ in range(10):
+        pol.observe(_rec(pol.k, pol.k, pol.k))
+    assert pol.choose(_state()).k == K_MAX  # capped
+    for _ in range(20):
+        pol.observe(_rec(pol.k, pol.k, 0))
+    assert pol.choose(_state()).k == 1  # floor of 1, as HF
+    pol.observe(_rec(1, 0, 0))  # a step cut short by the budget says nothing about γ
+    assert pol.k == 1
+    pol.reset()
+    assert pol.k == 4
+
+
+def test_threshold_stops_after_an_unsure_token():
+    pol = make_policy("threshold:0.5")
+    assert pol.choose(_state()).k == K_MAX
+    assert pol.keep_drafting(_state(), 0, DraftToken(1, 0.2, 0.9))
+    assert not pol.keep_drafting(_state(), 1, DraftToken(1, 3.0, 0.3))
+
+
+def test_rules_preset_uses_previous_step_signals():
+    pol = make_policy("rules")
+    assert pol.choose(_state()).k == 4  # nothing known yet
+    unsure = _rec(4, 3, 1, ents=[0.5, 3.0, 0.2], confs=[0.9, 0.2, 0.95])
+    assert pol.choose(_state([unsure])).k == 2
+    sure = _rec(4, 4, 4, ents=[0.1, 0.3, 0.2, 0.5], confs=[0.99, 0.9, 0.95, 0.85])
+    assert pol.choose(_state([sure])).k == 8
+    middling = _rec(4, 2, 1, ents=[1.5, 1.8], confs=[0.6, 0.5])
+    assert pol.choose(_state([middling])).k == 4
+    ar_step = _rec(0, 0, 0)
+    assert pol.choose(_state([sure, ar_step])).k == 8  # looks back past steps that drafted nothing

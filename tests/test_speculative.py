@@ -1,0 +1,172 @@
+"""The decode loop on tiny random models: exactness, bookkeeping, limits and sampling law."""
+import dataclasses
+
+import pytest
+import torch
+from scipy import stats
+
+from engine.models import load_pair
+from engine.policies import POLICY_EXAMPLES, make_policy
+from engine.speculative import Generation, GenConfig, encode_prompt, rejection_sample, warp
+
+PROMPTS = ["Hello there", "def f(x): return", "2+2=", "Tell me a story about a cat."]
+POLICIES = POLICY_EXAMPLES + ["fixed:1", "fixed:8", "threshold:0.9"]
+
+
+def _hf_greedy(pair, ids, n):
+    x = torch.tensor([ids])
+    out = pair.target.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=n, do_sample=False,
+                               pad_token_id=pair.tokenizer.eos_token_id)
+    return out[0, len(ids):].tolist()
+
+
+def _gen(pair, ids, policy, **cfg):
+    return Generation(pair, ids, make_policy(policy), GenConfig(**cfg)).run()
+
+
+@pytest.mark.parametrize("prompt", PROMPTS)
+def test_greedy_equals_hf_generate_for_every_policy(tiny_pair, prompt):
+    ids = encode_prompt(tiny_pair.tokenizer, prompt, chat=True)
+    ref = _hf_greedy(tiny_pair, ids, 40)
+    for policy in POLICIES:
+        g = _gen(tiny_pair, ids, policy, max_new_tokens=40)
+        assert g.token_ids == ref, policy
+
+
+def test_step_records_are_consistent(tiny_pair):
+    ids = encode_prompt(tiny_pair.tokenizer, PROMPTS[0], chat=True)
+    g = _gen(tiny_pair, ids, "fixed:4", max_new_tokens=40)
+    recs = g.records
+    assert recs[0].step == 0 and recs[0].emitted == 1 and recs[0].k_drafted == 0
+    assert sum(r.emitted for r in recs) == len(g.token_ids) == 40
+    assert [t for r in recs for t in r.token_ids] == g.token_ids
+    for prev, r in zip(recs, recs[1:]):
+        assert r.position == prev.position + prev.emitted
+        assert r.context_len == len(ids) + r.position
+        assert 0 <= r.accepted <= r.k_drafted <= r.k_chosen
+        assert len(r.entropies) == len(r.confidences) == r.k_drafted
+        assert all(0 < c <= 1 for c in r.confidences) and all(h >= 0 for h in r.entropies)
+        assert r.emitted == r.accepted + 1
+    s = g.summary
+    assert s.n_tokens == 40 and s.n_steps == len(recs) - 1
+    drafted = [r for r in recs[1:] if r.k_drafted]
+    assert s.acceptance_rate == pytest.approx(sum(r.accepted for r in drafted) / sum(r.k_drafted for r in drafted))
+    assert s.tokens_per_step == pytest.approx(sum(r.emitted for r in recs[1:]) / s.n_steps)
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+def test_max_new_tokens_is_exact(tiny_pair, policy):
+    ids = encode_prompt(tiny_pair.tokenizer, PROMPTS[1], chat=True)
+    for n in (1, 2, 5, 13):
+        g = _gen(tiny_pair, ids, policy, max_new_tokens=n)
+        assert len(g.token_ids) == n and g.summary.stop_reason == "max_new_tokens"
+
+
+@pytest.mark.parametrize("policy", ["ar", "fixed:4", "fixed:8", "threshold:0.4"])
+def test_eos_stops_the_run_where_it_appears(tiny_pair, policy):
+    ids = encode_prompt(tiny_pair.tokenizer, PROMPTS[2], chat=True)
+    ref = _hf_greedy(tiny_pair, ids, 30)
+    eos = ref[9]  # declare the 10th greedy token an end-of-sequence token
+    first = ref.index(eos)
+    pair = dataclasses.replace(tiny_pair, eos_ids=frozenset({eos}))
+    g = _gen(pair, ids, policy, max_new_tokens=30)
+    assert g.token_ids == ref[: first + 1]
+    assert g.summary.stop_reason == "eos"
+
+
+def test_prompt_over_the_context_is_refused(tiny_pair):
+    ids = [5] * tiny_pair.max_context
+    with pytest.raises(ValueError, match="over the target's context"):
+        Generation(tiny_pair, ids, make_policy("ar"), GenConfig())
+
+
+def test_generation_stops_at_the_context_end(tiny_pair):
+    ids = [5] * (tiny_pair.max_context - 6)
+    g = _gen(tiny_pair, ids, "fixed:4", max_new_tokens=50)
+    assert len(g.token_ids) == 6 and g.summary.stop_reason == "context"
+
+
+@pytest.mark.parametrize("kw,msg", [
+    (dict(max_new_tokens=0), "max_new_tokens"), (dict(temperature=-1), "temperature"),
+    (dict(top_p=0), "top_p"), (dict(kv_tier="zip"), "KV tier"),
+])
+def test_bad_config_is_a_value_error(tiny_pair, kw, msg):
+    with pytest.raises(ValueError, match=msg):
+        Generation(tiny_pair, [5, 6], make_policy("ar"), GenConfig(**kw))
+
+
+def test_draft_with_another_vocabulary_is_refused(tiny_dirs, tmp_path):
+    from tiny import save_tiny_llama
+
+    target, _ = tiny_dirs
+    other = save_tiny_llama(tmp_path / "other", seed=3, extra_tokens=7)
+    with pytest.raises(ValueError, match="different vocabulary"):
+        load_pair(str(target), str(other), device="cpu")
+
+
+def test_unknown_model_is_a_one_line_error(tmp_path):
+    with pytest.raises(ValueError, match="cannot load model") as e:
+        load_pair(str(tmp_path / "no-such-model"), device="cpu")
+    assert "\n" not in str(e.value)
+
+
+def _chi2_pvalue(samples: list[int], probs: torch.Tensor, min_expected: float = 5.0) -> float:
+    """Goodness of fit of integer samples to `probs`, rare outcomes pooled into one bin."""
+    n = len(samples)
+    counts = torch.bincount(torch.tensor(samples), minlength=len(probs)).double()
+    expected = probs.double() * n
+    common = expected >= min_expected
+    obs = torch.cat([counts[common], counts[~common].sum(0, keepdim=True)])
+    exp = torch.cat([expected[common], expected[~common].sum(0, keepdim=True)])
+    keep = exp > 0
+    return float(stats.chisquare(obs[keep].numpy(), exp[keep].numpy() * obs[keep].sum().item() / exp[keep].sum().item()).pvalue)
+
+
+def test_rejection_sampling_preserves_the_target_law():
+    """Synthetic p and q: the emitted tokens follow q, whatever the draft proposes."""
+    gen = torch.Generator().manual_seed(0)
+    V, k, N = 8, 2, 20000
+    q = torch.softmax(torch.randn(k + 1, V, generator=gen) * 1.5, -1)  # [k+1, V]
+    p = torch.softmax(torch.randn(k, V, generator=gen) * 1.5, -1)  # [k, V]
+    first, second = [], []
+    for _ in range(N):
+        draft = [int(torch.multinomial(p[i], 1, generator=gen)) for i in range(k)]
+        n, nxt = rejection_sample(draft, p, q, gen)
+        out = draft[:n] + [nxt]
+        first.append(out[0])
+        if n >= 1 and out[0] == 3:  # the second token given the first was 3 follows q[1]
+            second.append(out[1])
+    assert _chi2_pvalue(first, q[0]) > 1e-3
+    assert len(second) > 300 and _chi2_pvalue(second, q[1]) > 1e-3
+
+
+def test_speculative_sampling_matches_target_marginals(tiny_pair):
+    """End to end: tokens 2 and 3 (made by a draft-and-verify step) follow the target's own
+    sampling law, computed exactly by enumerating the first tokens."""
+    T, top_p, N = 0.8, 0.95, 2500
+    tiny_pair = dataclasses.replace(tiny_pair, eos_ids=frozenset())  # no early stop: a fixed length
+    ids = encode_prompt(tiny_pair.tokenizer, "2+2=", chat=True)
+    V = tiny_pair.vocab_size
+    with torch.inference_mode():
+        q1 = warp(tiny_pair.target(torch.tensor([ids])).logits[0, -1, :V], T, top_p)  # [V]
+        ctx = torch.tensor([ids + [t] for t in range(V)])  # [V, S+1]
+        q2 = warp(tiny_pair.target(ctx).logits[:, -1, :V], T, top_p)  # [V, V]: q(t2 | t1)
+    marginal2 = q1 @ q2  # P(t2) = Σ_t1 q(t1) q(t2|t1)
+    seconds = []
+    for seed in range(N):
+        g = _gen(tiny_pair, ids, "fixed:3", max_new_tokens=3, temperature=T, top_p=top_p, seed=seed)
+        seconds.append(g.token_ids[1])
+        assert g.records[1].k_drafted == 1  # one slot must stay free for the verify token
+    assert _chi2_pvalue(seconds, marginal2) > 1e-3
+
+
+def test_fixed_seed_reproduces_a_sampled_run(tiny_pair):
+    ids = encode_prompt(tiny_pair.tokenizer, PROMPTS[3], chat=True)
+    a = _gen(tiny_pair, ids, "fixed:4", max_new_tokens=30, temperature=1.0, seed=7)
+    b = _gen(tiny_pair, ids, "fixed:4", max_new_tokens=30, temperature=1.0, seed=7)
+    c = _gen(tiny_pair, ids, "fixed:4", max_new_tokens=30, temperature=1.0, seed=8)
+    assert a.token_ids == b.token_ids
+    assert [r.accepted for r in a.records] == [r.accepted for r in b.records]
+    assert a.token_ids != c.token_ids
+    unseeded = Generation(tiny_pair, ids, make_policy("ar"), GenConfig(temperature=1.0))
+    assert unseeded.cfg.seed is not None  # drawn and recorded, so the run can be replayed
