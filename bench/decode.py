@@ -95,9 +95,9 @@ def measure(pair: ModelPair, prompts: list[str], max_new: int, reps: int) -> dic
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="bench decode", description=__doc__.splitlines()[0])
     add_model_args(p)
-    p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--prompts-per-task", type=int, default=1, help="4 tasks: code, math, chat, summarization")
-    p.add_argument("--reps", type=int, default=2)
+    p.add_argument("--reps", type=int, default=3)
     p.add_argument("--threads", type=int, default=None, help="torch threads for every method")
     p.add_argument("--json", action="store_true")
     a = p.parse_args(argv)

@@ -14,6 +14,7 @@ from typing import Iterator
 import torch
 
 from engine import invariance, signals
+from engine.kv import new_cache
 from engine.models import KV_TIERS, ModelPair
 from engine.policies import Policy
 from engine.records import Action, DecodeState, DraftToken, RunSummary, StepRecord
@@ -172,6 +173,8 @@ class Generation:
     def _forward(self, model, ids: list[int], cache, keep: int) -> tuple[torch.Tensor, object]:
         """Logits [keep, V] (float32, shared vocab) for the last `keep` of `ids`, and the cache."""
         x = torch.tensor([ids], device=self.pair.device)  # [B=1, S]
+        if cache is None:
+            cache = new_cache(model)
         out = model(input_ids=x, cache=cache, use_cache=True, logits_to_keep=keep)
         return out.logits[0, :, : self.pair.vocab_size].float(), out.cache  # [keep, V]
 
