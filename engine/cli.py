@@ -106,12 +106,54 @@ def cmd_divergence(a: argparse.Namespace) -> int:
     return 0
 
 
+def _add_distill(sub) -> None:
+    from engine.distill import DistillConfig
+
+    p = sub.add_parser("distill", help="make a draft for a target by distillation (resumable)")
+    for f in dataclasses.fields(DistillConfig):
+        flag = "--" + f.name.replace("_", "-")
+        if f.name == "layers":
+            p.add_argument(flag, type=_int_list, default=None, help="target layers to copy, e.g. 0,1,2,29")
+        else:
+            kind = {"int": int, "float": float, "str": str}.get(str(f.type).split(" ")[0], str)
+            p.add_argument(flag, type=kind, default=None)
+    p.set_defaults(func=cmd_distill)
+
+
+def _int_list(text: str) -> list[int]:
+    try:
+        return [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+
+
+def cmd_distill(a: argparse.Namespace) -> int:
+    from tqdm import tqdm
+
+    from engine.distill import DistillConfig, run
+
+    given = {f.name: getattr(a, f.name) for f in dataclasses.fields(DistillConfig)
+             if getattr(a, f.name, None) is not None}
+    cfg = DistillConfig(**given)
+    run(cfg, progress=tqdm, say=lambda m: print(m, file=sys.stderr))
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="python -m engine", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
-    for add in (_add_setup, _add_generate, _add_divergence, _add_bench):
+    for add in (_add_setup, _add_generate, _add_divergence, _add_distill, _add_bench):
         add(sub)
     return parser
+
+
+def _check_store(db: str) -> None:
+    if db:
+        from store import Store
+
+        # Released at once: a generation can take minutes, the app may want the file meanwhile.
+        with Store(db, wait_s=0.0):
+            pass
 
 
 def _store_run(db: str, row: dict, steps: list[dict]) -> str | None:
@@ -134,6 +176,7 @@ def cmd_generate(a: argparse.Namespace) -> int:
     policy = make_policy(a.policy)  # before loading models: a typo should fail in milliseconds
     cfg = GenConfig(max_new_tokens=a.max_new_tokens, temperature=a.temperature, top_p=a.top_p, seed=a.seed)
     cfg.validate()
+    _check_store(a.db)  # a corrupt or unopenable file fails now, not after the generation
     pair = load_pair(a.target, a.draft, a.target_tier, a.draft_tier, a.device, a.trust_remote_code)
     gen = Generation(pair, encode_prompt(pair.tokenizer, a.prompt, a.chat), policy, cfg)
     shown = ""
@@ -191,8 +234,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         args = build_parser().parse_args(argv)
         return args.func(args)
-    except KeyboardInterrupt:
-        print("error: interrupted", file=sys.stderr)
+    except KeyboardInterrupt as e:
+        print(f"error: interrupted{f' ({e})' if str(e) else ''}", file=sys.stderr)
         return 130
     except (ValueError, StoreError) as e:  # user input: UsageError is a ValueError too
         print(f"error: {_one_line(e)}", file=sys.stderr)

@@ -12,6 +12,7 @@ from typing import Callable
 
 import torch
 
+from engine import draft as draftlib
 from engine import invariance
 
 EMBEDDED = "embedded"  # the name users type for the default pair
@@ -189,7 +190,7 @@ def check_vocab(t_tok, d_tok, t_vocab: int, d_vocab: int, draft_name: str) -> in
     return shared
 
 
-def _eos_ids(tokenizer, model) -> frozenset[int]:
+def eos_ids_of(tokenizer, model) -> frozenset[int]:
     ids: set[int] = set()
     for v in (tokenizer.eos_token_id, model.generation_config.eos_token_id, model.config.eos_token_id):
         if isinstance(v, int):
@@ -212,11 +213,16 @@ def load_pair(
     """Target and draft, both on one device. `None`/"embedded" means the embedded default;
     no draft given means the interim draft: the target itself at the nf4 tier."""
     dev = resolve_device(device)
-    target_name = EMBEDDED_LABEL if target in (None, "", EMBEDDED) else target
+    embedded = target in (None, "", EMBEDDED)
+    target_name = EMBEDDED_LABEL if embedded else target
+    if draft in (None, "") and embedded and draftlib.is_draft_dir(draftlib.SHIPPED):
+        draft = str(draftlib.SHIPPED)  # the distilled draft that ships with the project
     if draft in (None, ""):
         draft, draft_tier = target, draft_tier or INTERIM_DRAFT_TIER
     draft_tier = draft_tier or ("bf16" if dev.type == "cuda" else "fp32")
     draft_name = EMBEDDED_LABEL if draft in (None, "", EMBEDDED) else draft
+    if draftlib.is_draft_dir(draft):
+        draft_name = draftlib.label(draft)
     progress(f"loading target {target_name} ({target_tier}) on {dev}")
     t_model = load_model(target, target_tier, dev, trust_remote_code)
     tokenizer = load_tokenizer(target, trust_remote_code)
@@ -225,8 +231,15 @@ def load_pair(
     # fp32 differs by ~1e-5 at most (the near-tie excuse); bitsandbytes layers are measured instead.
     exact = exact_verify if exact_verify is not None else target_tier in EXACT_VERIFY_TIERS
     rowwise = invariance.make_verify_exact(t_model) if exact else 0
-    d_model = load_model(draft, draft_tier, dev, trust_remote_code)
-    d_tok = tokenizer if draft == target else load_tokenizer(draft, trust_remote_code)
+    if draftlib.is_draft_dir(draft):  # a SpecLab draft: the target's tokenizer and embedding
+        d_dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}.get(draft_tier)
+        if d_dtype is None:
+            raise ValueError(f"a SpecLab draft runs at fp32, bf16 or fp16, not {draft_tier}")
+        embedding = draftlib.target_embedding(_source_path(target), t_model)
+        d_model, d_tok = draftlib.load_draft(draft, embedding, dev, d_dtype), tokenizer
+    else:
+        d_model = load_model(draft, draft_tier, dev, trust_remote_code)
+        d_tok = tokenizer if draft == target else load_tokenizer(draft, trust_remote_code)
     vocab = check_vocab(
         tokenizer, d_tok, t_model.config.get_text_config().vocab_size,
         d_model.config.get_text_config().vocab_size, draft_name,
@@ -241,7 +254,7 @@ def load_pair(
         target_tier=target_tier,
         draft_tier=draft_tier,
         vocab_size=vocab,
-        eos_ids=_eos_ids(tokenizer, t_model),
+        eos_ids=eos_ids_of(tokenizer, t_model),
         max_context=int(getattr(t_model.config.get_text_config(), "max_position_embeddings", 1 << 30)),
         exact_verify=exact,
         rowwise_linears=rowwise,

@@ -1,6 +1,21 @@
-"""Prompt sets by task. `BENCH` is what benchmarks and the greedy-equality tests run on; later
-issues add the training and held-out sets beside it."""
+"""Prompt sets by task (code, math, chat, summarization).
+
+- `BENCH`: a few prompts that benchmarks and the greedy-equality tests run on.
+- `heldout()`: prompts never trained on (engine/data/heldout_prompts.json), for evaluating drafts
+  and controllers.
+- `training_prompts()`: thousands of prompts built from the templates below with a seeded RNG,
+  for distillation; held-out prompts are removed from them.
+- `stdlib_texts()`: text that is on every machine (the Python docs' topics and module
+  docstrings), for summarization prompts and plain-text distillation."""
 from __future__ import annotations
+
+import json
+import random
+from functools import lru_cache
+from pathlib import Path
+
+TASKS = ("code", "math", "chat", "summarization")
+HELDOUT_FILE = Path(__file__).parent / "data" / "heldout_prompts.json"
 
 BENCH: dict[str, list[str]] = {
     "code": [
@@ -29,3 +44,165 @@ BENCH: dict[str, list[str]] = {
 def bench_prompts(per_task: int = 1) -> list[tuple[str, str]]:
     """(task, prompt) pairs, `per_task` from each task, tasks interleaved."""
     return [(task, ps[i]) for i in range(per_task) for task, ps in BENCH.items() if i < len(ps)]
+
+
+@lru_cache(maxsize=1)
+def _heldout() -> dict[str, list[str]]:
+    data = json.loads(HELDOUT_FILE.read_text())
+    return {task: data[task] for task in TASKS}
+
+
+def heldout(per_task: int | None = None) -> list[tuple[str, str]]:
+    """(task, prompt) pairs from the held-out file, tasks interleaved."""
+    data = _heldout()
+    n = per_task or max(len(v) for v in data.values())
+    return [(t, data[t][i]) for i in range(n) for t in TASKS if i < len(data[t])]
+
+
+# -- templates for training prompts ------------------------------------------------------------
+_LANGS = ["Python", "Python", "Python", "JavaScript", "TypeScript", "Go", "Rust", "Java", "C", "C++", "Ruby", "bash"]
+_CODE_TASKS = [
+    "reverses a string", "counts the vowels in a string", "finds the maximum of a list of numbers",
+    "computes the factorial of n", "checks whether a year is a leap year", "sorts a list of words by length",
+    "removes whitespace from both ends of a string", "converts Celsius to Fahrenheit",
+    "returns the second largest number in a list", "flattens a nested list", "counts word frequencies in a text",
+    "checks whether two strings are anagrams", "computes the greatest common divisor of two numbers",
+    "validates an email address with a simple rule", "parses a date string in YYYY-MM-DD format",
+    "reads a text file and returns its lines", "writes a list of rows to a CSV file",
+    "implements binary search on a sorted list", "implements bubble sort", "implements a queue with two stacks",
+    "generates all permutations of a list", "returns the prime numbers below n", "capitalizes every word in a sentence",
+    "computes the average of a list, ignoring None values", "chunks a list into pieces of size n",
+    "merges two dictionaries", "finds the most common element in a list", "checks whether brackets are balanced",
+    "converts a number to Roman numerals", "computes the running total of a list", "transposes a matrix",
+    "removes duplicates from a list while keeping the order", "converts a string to snake_case",
+    "finds the longest word in a sentence", "counts the set bits of an integer", "rotates a list by k positions",
+    "retries a function call up to three times", "measures how long a function takes to run",
+    "returns the n most frequent words in a file", "checks whether a number is a perfect square",
+]
+_CODE_FORMS = [
+    "Write a {lang} function that {task}.", "Show me how to write a {lang} function that {task}.",
+    "In {lang}, write code that {task}, and explain it briefly.", "Write a short {lang} program that {task}.",
+    "How would you write a function in {lang} that {task}?",
+]
+_CODE_EXPLAIN = [
+    "What does the Python built-in function {name} do? Give an example.",
+    "Explain the difference between a list and a tuple in Python.",
+    "What is a {concept} in programming? Give a short example.",
+    "When should I use a {concept}?",
+    "Explain {concept} in simple terms.",
+]
+_CONCEPTS = [
+    "hash map", "linked list", "recursion", "closure", "generator", "decorator", "class", "interface",
+    "binary tree", "queue", "stack", "regular expression", "unit test", "race condition", "mutex",
+    "REST API", "JSON file", "database index", "memory leak", "pointer", "lambda function", "iterator",
+    "exception", "context manager", "virtual environment", "git branch", "pull request", "cache",
+]
+_BUILTINS = ["zip", "enumerate", "map", "filter", "sorted", "any", "all", "range", "isinstance", "getattr",
+             "reversed", "sum", "min", "max", "round", "open", "len", "print", "input", "dict"]
+
+_CHAT_TOPICS = [
+    "volcanoes", "black holes", "the water cycle", "the Roman Empire", "electric cars", "meditation",
+    "photosynthesis", "the internet", "vaccines", "earthquakes", "coffee", "the Olympic Games",
+    "the human heart", "rainbows", "solar panels", "dinosaurs", "the stock market", "recycling",
+    "the moon", "bees", "tea", "chess", "jazz music", "the printing press", "glaciers", "democracy",
+    "artificial intelligence", "the immune system", "tides", "inflation", "gravity", "the ozone layer",
+]
+_CHAT_ACTIVITIES = [
+    "learning to cook", "running a first marathon", "saving money", "studying for exams", "starting a garden",
+    "learning to play guitar", "traveling on a budget", "public speaking", "keeping a journal",
+    "making new friends in a new city", "staying healthy in winter", "reading more books", "learning to draw",
+    "writing a cover letter", "preparing for a job interview", "taking better photos", "reducing stress",
+    "organizing a small party", "training a puppy", "learning to swim",
+]
+_CHAT_FORMS = [
+    "What is {topic}?", "Tell me something interesting about {topic}.", "Explain {topic} to a ten-year-old.",
+    "Why is {topic} important?", "Give me three facts about {topic}.", "How does {topic} work?",
+]
+_CHAT_ADVICE = [
+    "Give me three tips for {activity}.", "How do I get started with {activity}?",
+    "What are common mistakes when {activity}?", "I want to try {activity}. Any advice?",
+]
+_CHAT_SMALL = [
+    "Hi! How are you today?", "Can you tell me a joke?", "What is your favorite color?",
+    "Write a short poem about the sea.", "Write a haiku about autumn.", "Suggest a name for a pet turtle.",
+    "What should I cook for dinner tonight?", "Write a friendly birthday message for a coworker.",
+    "Thank you for your help!", "Write a two-line motivational quote.",
+]
+
+_SUMMARY_FORMS = [
+    "Summarize in one sentence: {text}", "Summarize in two sentences: {text}", "Summarize briefly: {text}",
+    "Give a short summary of the following text: {text}", "What is the main idea of this text? {text}",
+]
+
+
+def _math_prompt(rng: random.Random) -> str:
+    a, b, c = rng.randint(2, 99), rng.randint(2, 99), rng.randint(2, 12)
+    forms = [
+        lambda: f"What is {a} * {b}? Explain step by step.",
+        lambda: f"What is {a * 10 + b} + {b * 7 + a}?",
+        lambda: f"What is {a * c} divided by {c}?",
+        lambda: f"What is {rng.choice([5, 10, 15, 20, 25, 30, 40, 50])}% of {a * 10}?",
+        lambda: f"Solve for x: {c}x + {a} = {c * b + a}.",
+        lambda: f"A car travels at {a} km/h for {c} hours. How far does it go?",
+        lambda: f"A train travels {a * c} km in {c} hours. What is its average speed?",
+        lambda: f"If {c} pencils cost ${c * 2}, how much do {a} pencils cost?",
+        lambda: f"What is the area of a rectangle that is {a} m long and {b} m wide?",
+        lambda: f"What is the perimeter of a square with sides of {a} cm?",
+        lambda: f"Convert {a} kilometres to metres.",
+        lambda: f"Convert {c} hours and {b % 60} minutes into minutes.",
+        lambda: f"A shop sells a book for ${a}. It is discounted by {rng.choice([10, 20, 25, 50])}%. What is the new price?",
+        lambda: f"Tom has {a} apples and gives {min(a, b) // 2} to a friend. How many does he have left?",
+        lambda: f"What is the sum of the numbers from 1 to {a}?",
+        lambda: f"Is {a * 2 + 1} a prime number? Explain.",
+        lambda: f"What is {a} squared?",
+        lambda: f"What is the average of {a}, {b} and {c}?",
+        lambda: f"A recipe needs {c} eggs for {c * 2} people. How many eggs are needed for {c * 4} people?",
+        lambda: f"Round {a}.{b} to the nearest whole number.",
+    ]
+    return rng.choice(forms)()
+
+
+@lru_cache(maxsize=1)
+def stdlib_texts(max_chars: int = 1200) -> tuple[str, ...]:
+    """Paragraph-sized English texts from the Python documentation shipped with Python."""
+    from pydoc_data.topics import topics
+
+    texts: list[str] = []
+    for key in sorted(topics):
+        for para in topics[key].split("\n\n"):
+            para = " ".join(para.split())
+            # Prose only: skip code, grammar rules and headings.
+            if 200 <= len(para) <= max_chars and para[0].isalpha() and "::=" not in para and ">>>" not in para:
+                texts.append(para)
+    return tuple(texts)
+
+
+def training_prompts(n_per_task: int = 400, seed: int = 0) -> list[tuple[str, str]]:
+    """Deterministic (task, prompt) pairs for distillation, disjoint from the held-out set."""
+    rng = random.Random(seed)
+    banned = {p for _, p in heldout()}
+    texts = list(stdlib_texts())
+    makers = {
+        "code": lambda: rng.choice(_CODE_FORMS).format(lang=rng.choice(_LANGS), task=rng.choice(_CODE_TASKS))
+        if rng.random() < 0.75 else rng.choice(_CODE_EXPLAIN).format(name=rng.choice(_BUILTINS),
+                                                                     concept=rng.choice(_CONCEPTS)),
+        "math": lambda: _math_prompt(rng),
+        "chat": lambda: rng.choice([
+            lambda: rng.choice(_CHAT_FORMS).format(topic=rng.choice(_CHAT_TOPICS)),
+            lambda: rng.choice(_CHAT_ADVICE).format(activity=rng.choice(_CHAT_ACTIVITIES)),
+            lambda: rng.choice(_CHAT_SMALL),
+        ])(),
+        "summarization": lambda: rng.choice(_SUMMARY_FORMS).format(text=rng.choice(texts)),
+    }
+    out: list[tuple[str, str]] = []
+    for task, make in makers.items():
+        seen: set[str] = set()
+        for _ in range(n_per_task * 20):  # templates repeat; stop once enough distinct ones exist
+            if len(seen) == n_per_task:
+                break
+            p = make()
+            if p not in banned:
+                seen.add(p)
+        out += [(task, p) for p in sorted(seen)]
+    rng.shuffle(out)
+    return out

@@ -51,7 +51,7 @@ def save_tiny_llama(out: Path, seed: int, layers: int = 2, hidden: int = 32, ext
         cfg = LlamaConfig(
             vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden,
             num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
-            max_position_embeddings=256, bos_token_id=1, eos_token_id=2, pad_token_id=2,
+            max_position_embeddings=2048, bos_token_id=1, eos_token_id=2, pad_token_id=2,
             tie_word_embeddings=True, initializer_range=0.2,
         )
         model = LlamaForCausalLM(cfg)
