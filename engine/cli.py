@@ -115,9 +115,17 @@ def _add_distill(sub) -> None:
         if f.name == "layers":
             p.add_argument(flag, type=_int_list, default=None, help="target layers to copy, e.g. 0,1,2,29")
         else:
-            kind = {"int": int, "float": float, "str": str}.get(str(f.type).split(" ")[0], str)
+            kind = {"int": int, "float": float, "bool": _bool}.get(str(f.type).split(" ")[0], str)
             p.add_argument(flag, type=kind, default=None)
     p.set_defaults(func=cmd_distill)
+
+
+def _bool(text: str) -> bool:
+    if text.lower() in ("1", "true", "yes", "on"):
+        return True
+    if text.lower() in ("0", "false", "no", "off"):
+        return False
+    raise argparse.ArgumentTypeError(f"expected true or false, got {text!r}")
 
 
 def _int_list(text: str) -> list[int]:

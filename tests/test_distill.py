@@ -124,3 +124,13 @@ def test_bad_layers_are_refused(tiny_dirs):
 
     with pytest.raises(ValueError, match="target layer indices"):
         build_draft(target, [0, 7])
+
+
+def test_training_can_continue_from_a_shipped_draft(trained, tiny_dirs, tmp_path):
+    cfg_done, out = trained
+    (tmp_path / "work").mkdir()
+    (tmp_path / "work" / "data").symlink_to(Path(cfg_done.work) / "data")
+    cfg = _cfg(tiny_dirs, tmp_path, steps=5, layers=[0], init_from=str(out), out=str(tmp_path / "next"))
+    nxt = distill.run(cfg, progress=Bar, say=lambda m: None)
+    meta = json.loads((Path(nxt) / MARKER).read_text())
+    assert meta["continued_from"] == str(out) and meta["init_layers"] == [0, 1]  # the draft's own layers
