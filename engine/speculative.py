@@ -202,13 +202,12 @@ class Generation:
         # Step 0, the prefill: the target reads the prompt and emits the first token.
         sync_device(dev)
         t_start = time.perf_counter()
-        logits, t_cache = self._forward(pair.target, tokens, None, keep=1)  # [1, V]
+        logits, self._t_cache = self._forward(pair.target, tokens, None, keep=1)  # [1, V]
         first, _ = self._choose(logits[0])
         ttft = _ms_since(t_start, dev)
-        rec = self._record(0, 0, Action(0), [], [], [first], 0, 0.0, ttft, 0.0, n_prompt)
         tokens.append(first)
-        d_cache, d_len = None, 0  # the draft catches up lazily: `ar` runs never pay its prefill
-        yield self._emit(rec)
+        self._d_cache, self._d_len = None, 0  # the draft catches up lazily: `ar` never pays its prefill
+        yield self._emit(self._record(0, 0, Action(0), [], [first], 0, 0.0, ttft, 0.0, n_prompt))
         if first in pair.eos_ids:
             stop = "eos"
 
@@ -227,55 +226,20 @@ class Generation:
             # Never draft past the budget: the bonus token needs one slot of its own.
             k = min(action.k, remaining - 1)
 
-            # Draft: k tokens one at a time, each from p_i, keeping p_i for acceptance.
             t0 = time.perf_counter()
-            drafted: list[DraftToken] = []
-            p_rows: list[torch.Tensor] = []  # p_i: [V] each
-            feed = tokens[d_len:]  # what the draft has not read yet, ending at tokens[-1]
-            for j in range(k):
-                logits, d_cache = self._forward(pair.draft, feed, d_cache, keep=1)
-                x, p_j = self._choose(logits[0])
-                drafted.append(DraftToken(x, float(signals.entropy_bits(p_j)), float(signals.confidence(p_j))))
-                p_rows.append(p_j)
-                if j + 1 < k and not self.policy.keep_drafting(state, j, drafted[-1]):
-                    break
-                feed = [x]
+            drafted, p = self._draft(state, tokens, k)
             draft_ms = _ms_since(t0, dev)
-            ents = [d.entropy for d in drafted]
-            confs = [d.confidence for d in drafted]
-            draft_ids = [d.token_id for d in drafted]
-
-            # Verify: one target forward over [last, d_1..d_k] gives q_0..q_k.
             t0 = time.perf_counter()
-            keep = len(draft_ids) + 1
-            with invariance.verifying() if pair.exact_verify else contextlib.nullcontext():
-                logits, t_cache = self._forward(pair.target, [tokens[-1]] + draft_ids, t_cache, keep)  # [k+1, V]
-            if self.greedy:
-                n, nxt = greedy_accept(draft_ids, logits.argmax(-1).tolist())
-            else:
-                q = warp(logits, cfg.temperature, cfg.top_p)  # [k+1, V]
-                p = torch.stack(p_rows) if p_rows else q[:0]  # [k, V]
-                n, nxt = rejection_sample(draft_ids, p, q, self._gen)
-            new = draft_ids[:n] + [nxt]
-            # EOS ends the run where it stands; the budget caps the tail.
-            for i, x in enumerate(new):
-                if x in pair.eos_ids:
-                    new, stop = new[: i + 1], "eos"
-                    break
-            new = new[:remaining]
             old_len = len(tokens)
-            tokens.extend(new)
-            # Roll back: the target keeps everything but the newest token (it is the next input);
-            # the draft keeps the prefix of what it read that is still in `tokens`.
-            _crop(t_cache, len(tokens) - 1)
-            if draft_ids:
-                d_len = old_len + min(n, len(draft_ids) - 1)
-                _crop(d_cache, d_len)
+            n, new = self._verify(tokens, [d.token_id for d in drafted], p)
             verify_ms = _ms_since(t0, dev)
+            assert len(new) <= remaining, (len(new), remaining)
+            if new[-1] in pair.eos_ids:
+                stop = "eos"
 
-            acc.update(n, len(draft_ids))
-            rec = self._record(step, old_len - n_prompt, action, ents, confs, new, len(draft_ids),
-                               draft_ms, verify_ms, decide_ms, old_len, accepted=min(n, len(new)))
+            acc.update(n, len(drafted))
+            rec = self._record(step, old_len - n_prompt, action, drafted, new, min(n, len(new)),
+                               draft_ms, verify_ms, decide_ms, old_len)
             self.policy.observe(rec)
             yield self._emit(rec)
 
@@ -283,10 +247,51 @@ class Generation:
         assert self.token_ids == tokens[n_prompt:]
         self.summary = _summarize(self.records, wall_ms, ttft, stop)
 
-    def _record(self, step, position, action, ents, confs, new, k_drafted, draft_ms, verify_ms,
-                decide_ms, context_len, accepted=0) -> StepRecord:
+    def _draft(self, state: DecodeState, tokens: list[int], k: int) -> tuple[list[DraftToken], torch.Tensor | None]:
+        """k tokens one at a time, each chosen from p_i; returns them and p: [k, V]."""
+        drafted, p_rows = [], []
+        feed = tokens[self._d_len:]  # what the draft has not read yet, ending at tokens[-1]
+        for j in range(k):
+            logits, self._d_cache = self._forward(self.pair.draft, feed, self._d_cache, keep=1)
+            x, p_j = self._choose(logits[0])  # p_j: [V]
+            drafted.append(DraftToken(x, float(signals.entropy_bits(p_j)), float(signals.confidence(p_j))))
+            p_rows.append(p_j)
+            if j + 1 < k and not self.policy.keep_drafting(state, j, drafted[-1]):
+                break
+            feed = [x]
+        return drafted, torch.stack(p_rows) if p_rows else None
+
+    def _verify(self, tokens: list[int], draft: list[int], p: torch.Tensor | None) -> tuple[int, list[int]]:
+        """One target forward over [last, d_1..d_k] gives q_0..q_k; accept, append the emitted
+        tokens to `tokens` (cut at EOS), roll both caches back. Returns (accepted n, emitted)."""
+        pair = self.pair
+        with invariance.verifying() if pair.exact_verify else contextlib.nullcontext():
+            logits, self._t_cache = self._forward(pair.target, [tokens[-1]] + draft, self._t_cache, len(draft) + 1)
+        if self.greedy:
+            n, nxt = greedy_accept(draft, logits.argmax(-1).tolist())  # logits: [k+1, V]
+        else:
+            q = warp(logits, self.cfg.temperature, self.cfg.top_p)  # [k+1, V]
+            n, nxt = rejection_sample(draft, p if p is not None else q[:0], q, self._gen)
+        new = draft[:n] + [nxt]
+        eos = next((i for i, x in enumerate(new) if x in pair.eos_ids), None)
+        if eos is not None:  # EOS ends the run where it stands
+            new = new[: eos + 1]
+        old_len = len(tokens)
+        tokens.extend(new)
+        # Roll back: the target keeps everything but the newest token (it is the next input);
+        # the draft keeps the prefix of what it read that is still in `tokens`.
+        _crop(self._t_cache, len(tokens) - 1)
+        if draft:
+            self._d_len = old_len + min(n, len(draft) - 1)
+            _crop(self._d_cache, self._d_len)
+        return n, new
+
+    def _record(self, step, position, action, drafted, new, accepted, draft_ms, verify_ms,
+                decide_ms, context_len) -> StepRecord:
+        ents = [d.entropy for d in drafted]
+        confs = [d.confidence for d in drafted]
         return StepRecord(
-            step=step, position=position, k_chosen=action.k, k_drafted=k_drafted,
+            step=step, position=position, k_chosen=action.k, k_drafted=len(drafted),
             accepted=accepted, emitted=len(new), token_ids=list(new),
             **signals.summarize(ents, confs), entropies=ents, confidences=confs,
             draft_ms=draft_ms, verify_ms=verify_ms, decide_ms=decide_ms, context_len=context_len,
