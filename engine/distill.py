@@ -12,6 +12,7 @@ Stages (each resumable; a rerun skips what is done):
 """
 from __future__ import annotations
 
+import itertools
 import json
 import math
 import random
@@ -19,9 +20,9 @@ import signal
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Iterator
 
 import torch
-import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 
 from engine import draft as draftlib
@@ -71,8 +72,8 @@ class DistillConfig:
 # -- data ----------------------------------------------------------------------------------------
 @dataclass
 class Shard:
-    """Sequences with teacher targets. Row r of `topk_*` is the target's view of predicting
-    token `label_idx[r]` of the flat `tokens` array from everything before it."""
+    """Sequences with teacher targets. For each sequence, the rows of `topk_*` (in order) hold
+    the target's view of predicting its tokens label_start, label_start + 1, … from the prefix."""
 
     tokens: torch.Tensor  # [T] int32, sequences concatenated
     offsets: torch.Tensor  # [n + 1] int64
@@ -212,6 +213,12 @@ def batches(examples: list[Example], batch_tokens: int, seed: int, epoch: int) -
     return out
 
 
+def _schedule(examples: list[Example], cfg: DistillConfig) -> Iterator[list[int]]:
+    """Batches epoch after epoch (epochs may differ in batch count: packing follows the order)."""
+    for epoch in itertools.count():
+        yield from batches(examples, cfg.batch_tokens, cfg.seed, epoch)
+
+
 def step_loss(draft, batch: list[Example], cfg: DistillConfig) -> tuple[torch.Tensor, dict]:
     width = max(len(e.tokens) for e in batch)
     ids = torch.zeros(len(batch), width, dtype=torch.long)
@@ -298,8 +305,8 @@ def train(cfg: DistillConfig, draft, data: Path, progress, say=print) -> dict:
     torch.manual_seed(cfg.seed)
     examples = load_examples(data, "train") + load_examples(data, "text")
     held = load_examples(data, "heldout")
-    if not examples:
-        raise ValueError(f"no training data under {data}")
+    if not batches(examples, cfg.batch_tokens, cfg.seed, 0):
+        raise ValueError(f"the training data under {data} holds fewer labels than one batch ({cfg.batch_tokens})")
     params = [p for p in draft.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.95))
     ckpt = Checkpoint(Path(cfg.work))
@@ -309,15 +316,14 @@ def train(cfg: DistillConfig, draft, data: Path, progress, say=print) -> dict:
         if old.get("layers") != cfg.layers:
             raise ValueError(f"checkpoint in {cfg.work} is for layers {old.get('layers')}, not {cfg.layers}")
         say(f"resuming at step {step}/{cfg.steps}")
-    per_epoch = batches(examples, cfg.batch_tokens, cfg.seed, 0)
+    schedule = itertools.islice(_schedule(examples, cfg), step, None)  # a resumed run skips what it did
     stop = {"now": False}
     previous = signal.signal(signal.SIGINT, lambda *_: stop.update(now=True))  # finish the step, then save
     draft.train()
     try:
         bar = progress(total=cfg.steps, initial=step, desc="distill train", unit="step")
         while step < cfg.steps and not stop["now"]:
-            epoch, i = divmod(step, len(per_epoch))
-            b = batches(examples, cfg.batch_tokens, cfg.seed, epoch)[i]
+            b = next(schedule)
             for g in opt.param_groups:
                 g["lr"] = lr_at(step, cfg)
             loss, stats = step_loss(draft, [examples[j] for j in b], cfg)
@@ -357,11 +363,9 @@ def run(cfg: DistillConfig, progress, say=print) -> Path:
     cfg.validate()
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
-    torch.manual_seed(cfg.seed)
     dev = torch.device("cpu") if not torch.cuda.is_available() else torch.device("cuda")
     target = load_model(cfg.target, "fp32", dev)
     tokenizer = load_tokenizer(cfg.target)
-    t0 = time.time()
     data = build_data(cfg, target, tokenizer, eos_ids_of(tokenizer, target), progress)
     if cfg.stage == "data":
         say(f"data ready in {data}")
@@ -380,7 +384,7 @@ def run(cfg: DistillConfig, progress, say=print) -> Path:
         init_layers=cfg.layers, config=asdict(cfg), steps=summary["steps"],
         continued_from=cfg.init_from,
         train_sequences=summary["train_sequences"], train_labels=summary["train_labels"],
-        heldout_agreement=summary["heldout_agreement"], wall_s=round(time.time() - t0),
+        heldout_agreement=summary["heldout_agreement"],
         made_by="python -m engine distill",
     )
     out = Path(cfg.out)

@@ -20,6 +20,7 @@ EMBEDDED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 EMBEDDED_LABEL = "SmolLM2-135M-Instruct"
 FALLBACK_DRAFT_TIER = "nf4"  # a target without a draft of its own is drafted by itself at nf4
 TIERS = ("fp32", "bf16", "fp16", "int8", "nf4")
+FLOAT_TIERS = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}  # the rest: bitsandbytes
 EXACT_VERIFY_TIERS = ("bf16", "fp16")  # where batched verify is made batch-invariant by default
 KV_TIERS = ("native",)  # fp8/int8 KV tiers arrive with the KV codec issue
 
@@ -116,14 +117,10 @@ def _source_path(source: str | None) -> str:
 def _quantization(tier: str, device: torch.device) -> dict:
     """from_pretrained kwargs for a weight tier."""
     compute = torch.bfloat16 if device.type == "cuda" else torch.float32
-    if tier == "fp32":
-        return {"dtype": torch.float32}
-    if tier == "bf16":
-        return {"dtype": torch.bfloat16}
-    if tier == "fp16":
-        if device.type != "cuda":
-            raise ValueError("tier fp16 needs CUDA (CPU fp16 kernels are slow and partial); use bf16 on CPU")
-        return {"dtype": torch.float16}
+    if tier == "fp16" and device.type != "cuda":
+        raise ValueError("tier fp16 needs CUDA (CPU fp16 kernels are slow and partial); use bf16 on CPU")
+    if tier in FLOAT_TIERS:
+        return {"dtype": FLOAT_TIERS[tier]}
     if importlib.util.find_spec("bitsandbytes") is None:
         raise ValueError(f"tier {tier} needs bitsandbytes: pip install bitsandbytes==0.50.2")
     from transformers import BitsAndBytesConfig
@@ -220,14 +217,15 @@ def load_pair(
         draft = str(draftlib.SHIPPED)  # the distilled draft that ships with the project
     if draft in (None, ""):
         draft, draft_tier = target, draft_tier or FALLBACK_DRAFT_TIER
-    if draftlib.is_draft_dir(draft):
+    speclab_draft = draftlib.is_draft_dir(draft)
+    if speclab_draft:
         # A draft's numerics only change what is proposed, never what is emitted: run it at
         # bf16, 4x cheaper than fp32 per token on this CPU (AVX512-BF16) and on GPUs.
         draft_tier = draft_tier or "bf16"
-    draft_tier = draft_tier or ("bf16" if dev.type == "cuda" else "fp32")
-    draft_name = EMBEDDED_LABEL if draft in (None, "", EMBEDDED) else draft
-    if draftlib.is_draft_dir(draft):
         draft_name = draftlib.label(draft)
+    else:
+        draft_tier = draft_tier or ("bf16" if dev.type == "cuda" else "fp32")
+        draft_name = EMBEDDED_LABEL if draft in (None, "", EMBEDDED) else draft
     progress(f"loading target {target_name} ({target_tier}) on {dev}")
     t_model = load_model(target, target_tier, dev, trust_remote_code)
     tokenizer = load_tokenizer(target, trust_remote_code)
@@ -236,12 +234,12 @@ def load_pair(
     # fp32 differs by ~1e-5 at most (the near-tie excuse); bitsandbytes layers are measured instead.
     exact = exact_verify if exact_verify is not None else target_tier in EXACT_VERIFY_TIERS
     rowwise = invariance.make_verify_exact(t_model) if exact else 0
-    if draftlib.is_draft_dir(draft):  # a SpecLab draft: the target's tokenizer and embedding
-        d_dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}.get(draft_tier)
-        if d_dtype is None:
-            raise ValueError(f"a SpecLab draft runs at fp32, bf16 or fp16, not {draft_tier}")
+    if speclab_draft:  # the target's tokenizer and embedding
+        if draft_tier not in FLOAT_TIERS:
+            raise ValueError(f"a SpecLab draft runs at {', '.join(FLOAT_TIERS)}, not {draft_tier}")
         embedding = draftlib.target_embedding(_source_path(target), t_model)
-        d_model, d_tok = draftlib.load_draft(draft, embedding, dev, d_dtype), tokenizer
+        d_model = draftlib.load_draft(draft, embedding, dev, FLOAT_TIERS[draft_tier])
+        d_tok = tokenizer
     else:
         d_model = load_model(draft, draft_tier, dev, trust_remote_code)
         d_tok = tokenizer if draft == target else load_tokenizer(draft, trust_remote_code)
