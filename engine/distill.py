@@ -38,6 +38,8 @@ class DistillConfig:
     layers: list[int] = field(default_factory=lambda: [0, 1, 2, 29])  # target layers to copy
     init_from: str | None = None  # start from an existing SpecLab draft (continue its training)
     prompts_per_task: int = 400  # training prompts per task (fewer exist for chat)
+    teacher_tier: str = "bf16"  # the target's tier for making data: 2.2x faster than fp32 batched on CPU,
+    #                             same greedy tokens but at rare near-ties (agreement is measured at fp32)
     max_new_tokens: int = 160  # response length; drafts are used on responses
     gen_batch: int = 32  # batched generation is far faster per token than one at a time
     top_k: int = 32  # teacher log-probs kept per position for the KL term
@@ -334,7 +336,7 @@ def train(cfg: DistillConfig, draft, data: Path, progress, say=print) -> dict:
             step += 1
             log.append(dict(step=step, loss=loss.item(), **stats, t=time.time()))
             bar.update(1)
-            bar.set_postfix(loss=f"{float(loss):.3f}", agree=f"{stats['agree']:.3f}")
+            bar.set_postfix(loss=f"{log[-1]['loss']:.3f}", agree=f"{stats['agree']:.3f}")
             if held and (step % cfg.eval_every == 0 or step == cfg.steps):
                 draft.eval()
                 log[-1]["heldout_agreement"] = agreement(draft, held)
@@ -364,12 +366,15 @@ def run(cfg: DistillConfig, progress, say=print) -> Path:
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
     dev = torch.device("cpu") if not torch.cuda.is_available() else torch.device("cuda")
-    target = load_model(cfg.target, "fp32", dev)
+    target = load_model(cfg.target, cfg.teacher_tier, dev)
     tokenizer = load_tokenizer(cfg.target)
     data = build_data(cfg, target, tokenizer, eos_ids_of(tokenizer, target), progress)
     if cfg.stage == "data":
         say(f"data ready in {data}")
         return data
+    if cfg.teacher_tier != "fp32":  # the draft is built, trained and stored from fp32 weights
+        del target
+        target = load_model(cfg.target, "fp32", dev)
     if cfg.init_from:  # continue a shipped draft: its weights, fresh optimizer state
         meta = json.loads((Path(cfg.init_from) / draftlib.MARKER).read_text())
         cfg.layers = meta["init_layers"]

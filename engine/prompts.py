@@ -78,9 +78,24 @@ _CODE_TASKS = [
     "finds the longest word in a sentence", "counts the set bits of an integer", "rotates a list by k positions",
     "retries a function call up to three times", "measures how long a function takes to run",
     "returns the n most frequent words in a file", "checks whether a number is a perfect square",
+    
+    "counts the lines of a file", "downloads a web page and prints its title", "shuffles a list in place",
+    "groups a list of records by a key", "computes the median of a list", "checks whether a list is sorted",
+    "converts a binary string to an integer", "finds all pairs in a list that add up to a target",
+    "implements a simple linked list", "parses a JSON string",
+    "sums the digits of a number", "finds the intersection of two lists", "computes compound interest",
+    "generates a random password", "returns the index of the first repeated character",
+    "validates a phone number", "computes the distance between two points", "converts a dictionary to JSON",
+    "finds the missing number in a sequence from 1 to n",
+    "checks whether a number is even or odd", "prints a multiplication table", "computes the power set of a set",
+    "memoizes a function", "throttles a function", "sorts a list of tuples by the second item",
+    "counts how often each character appears",
+    "converts a list of strings to uppercase", "deep-copies a nested dictionary", "reverses the words in a sentence",
 ]
 _CODE_FORMS = [
-    "Write a {lang} function that {task}.", "Show me how to write a {lang} function that {task}.",
+    "Write a {lang} function that {task}.", "Can you write {lang} code that {task}?",
+    "I need a {lang} function that {task}. Please include a short example.",
+    "Implement a function in {lang} that {task}.", "Show me how to write a {lang} function that {task}.",
     "In {lang}, write code that {task}, and explain it briefly.", "Write a short {lang} program that {task}.",
     "How would you write a function in {lang} that {task}?",
 ]
@@ -90,6 +105,15 @@ _CODE_EXPLAIN = [
     "What is a {concept} in programming? Give a short example.",
     "When should I use a {concept}?",
     "Explain {concept} in simple terms.",
+    "What is the difference between a {concept} and a {concept2}?", "How do I debug a {concept}?",
+    "Write a SQL query that {sql}.", "What are the pros and cons of using a {concept}?",
+    "Give an example of a {concept} in {lang}.",
+]
+_SQL = [
+    "selects all users older than 30", "counts the orders per customer", "finds the ten most expensive products",
+    "joins the orders and customers tables", "deletes rows with a NULL email", "finds duplicate email addresses",
+    "computes the average salary per department", "lists the customers who have never placed an order",
+    "updates the price of a product", "returns the total sales per month",
 ]
 _CONCEPTS = [
     "hash map", "linked list", "recursion", "closure", "generator", "decorator", "class", "interface",
@@ -106,32 +130,57 @@ _CHAT_TOPICS = [
     "the human heart", "rainbows", "solar panels", "dinosaurs", "the stock market", "recycling",
     "the moon", "bees", "tea", "chess", "jazz music", "the printing press", "glaciers", "democracy",
     "artificial intelligence", "the immune system", "tides", "inflation", "gravity", "the ozone layer",
+    "hurricanes", "the Sahara desert",
+    "the Amazon rainforest", "the pyramids of Egypt", "whales", "penguins", "honey", "chocolate", "bread",
+    "the Great Wall of China", "Mars", "the Sun", "comets", "DNA", "antibiotics", "the brain", "muscles",
+    "vitamins", "electricity", "magnets", "light", "sound", "rain", "snow", "wind energy", "nuclear power",
+    "the French Revolution", "ancient Greece", "the Renaissance", "Shakespeare", "classical music", "painting",
+    "the piano", "football", "basketball", "yoga", "running", "friendship", "happiness", "money", "banks",
+    "taxes", "cryptocurrency", "smartphones", "social media", "email", "video games", "robots", "airplanes",
+    "trains", "bicycles", "oceans", "rivers", "mountains", "forests", "cats", "dogs", "horses", "butterflies",
 ]
 _CHAT_ACTIVITIES = [
     "learning to cook", "running a first marathon", "saving money", "studying for exams", "starting a garden",
     "learning to play guitar", "traveling on a budget", "public speaking", "keeping a journal",
     "making new friends in a new city", "staying healthy in winter", "reading more books", "learning to draw",
     "writing a cover letter", "preparing for a job interview", "taking better photos", "reducing stress",
-    "organizing a small party", "training a puppy", "learning to swim",
+    "organizing a small party", "training a puppy", "learning to swim", "moving to a new apartment",
+    "eating healthier", "waking up early", "managing my time", "learning to code", "baking bread",
+    "writing a novel", "planning a wedding", "buying a used car", "negotiating a salary", "living with roommates",
+    "caring for houseplants", "camping with kids", "learning to meditate", "running a small business",
+    "decluttering my home", "studying math", "dealing with a difficult coworker", "writing a thank-you note",
 ]
 _CHAT_FORMS = [
     "What is {topic}?", "Tell me something interesting about {topic}.", "Explain {topic} to a ten-year-old.",
     "Why is {topic} important?", "Give me three facts about {topic}.", "How does {topic} work?",
+    "What is the history of {topic}?", "Write a short paragraph about {topic}.",
+    
+    "What is the difference between {topic} and {topic2}?", "Write a short poem about {topic}.",
+    "What do most people get wrong about {topic}?",
 ]
 _CHAT_ADVICE = [
     "Give me three tips for {activity}.", "How do I get started with {activity}?",
     "What are common mistakes when {activity}?", "I want to try {activity}. Any advice?",
+    "What should I know before {activity}?", "Can you make a simple plan for {activity}?",
+    "How can I stay motivated when {activity}?",
 ]
 _CHAT_SMALL = [
     "Hi! How are you today?", "Can you tell me a joke?", "What is your favorite color?",
     "Write a short poem about the sea.", "Write a haiku about autumn.", "Suggest a name for a pet turtle.",
     "What should I cook for dinner tonight?", "Write a friendly birthday message for a coworker.",
     "Thank you for your help!", "Write a two-line motivational quote.",
+    "Write a short story about a lost key.", "Tell me a riddle.",
+    "What is a good way to start a conversation?", "Write an email asking my manager for a day off.",
+    "Recommend a few movies for a family evening.",
+    "How do I apologize to a friend?", "Write a limerick about a cat.", "What are some healthy snacks?",
+    "Plan a one-day trip to Paris.", "Describe a sunset in three sentences.", "How do I make a good cup of tea?",
 ]
 
 _SUMMARY_FORMS = [
     "Summarize in one sentence: {text}", "Summarize in two sentences: {text}", "Summarize briefly: {text}",
     "Give a short summary of the following text: {text}", "What is the main idea of this text? {text}",
+    "Summarize this in a short paragraph: {text}", "TL;DR: {text}", "Summarize the key points as a list: {text}",
+    "Explain this text in simple words: {text}",
 ]
 
 
@@ -184,11 +233,12 @@ def training_prompts(n_per_task: int = 400, seed: int = 0) -> list[tuple[str, st
     texts = list(stdlib_texts())
     makers = {
         "code": lambda: rng.choice(_CODE_FORMS).format(lang=rng.choice(_LANGS), task=rng.choice(_CODE_TASKS))
-        if rng.random() < 0.75 else rng.choice(_CODE_EXPLAIN).format(name=rng.choice(_BUILTINS),
-                                                                     concept=rng.choice(_CONCEPTS)),
+        if rng.random() < 0.75 else rng.choice(_CODE_EXPLAIN).format(
+            name=rng.choice(_BUILTINS), concept=rng.choice(_CONCEPTS), concept2=rng.choice(_CONCEPTS),
+            sql=rng.choice(_SQL), lang=rng.choice(_LANGS)),
         "math": lambda: _math_prompt(rng),
         "chat": lambda: rng.choice([
-            lambda: rng.choice(_CHAT_FORMS).format(topic=rng.choice(_CHAT_TOPICS)),
+            lambda: rng.choice(_CHAT_FORMS).format(topic=rng.choice(_CHAT_TOPICS), topic2=rng.choice(_CHAT_TOPICS)),
             lambda: rng.choice(_CHAT_ADVICE).format(activity=rng.choice(_CHAT_ACTIVITIES)),
             lambda: rng.choice(_CHAT_SMALL),
         ])(),
