@@ -57,6 +57,30 @@ def _add_bench(sub) -> None:
     p.set_defaults(func=cmd_bench)
 
 
+def _add_import_speckv(sub) -> None:
+    p = sub.add_parser("import-speckv", help="import SpecKV's phase-2 step CSV as runs (source speckv)")
+    p.add_argument("path", help="phase2_step_results.csv")
+    p.add_argument("--db", default=DEFAULT_DB, help=f"DuckDB file to import into (default: {DEFAULT_DB})")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.set_defaults(func=cmd_import_speckv)
+
+
+def cmd_import_speckv(a: argparse.Namespace) -> int:
+    from store import Store
+    from store.speckv import import_speckv
+
+    if not os.path.isfile(a.path):  # before opening: a typo must not create an empty database
+        raise ValueError(f"{a.path} does not exist or is not a file")
+    with Store(a.db) as st:
+        report = import_speckv(st, a.path)
+    if a.json:
+        print(json.dumps(dict(dataclasses.asdict(report), db=a.db)))
+    else:
+        print(f"imported {report.runs_added} runs ({report.steps} steps) from {report.path}"
+              f" into {a.db}; {report.runs_skipped} already there")
+    return 0
+
+
 def _add_setup(sub) -> None:
     p = sub.add_parser("setup", help="convert the embedded model's GGUF to a local safetensors cache, once")
     p.set_defaults(func=cmd_setup)
@@ -150,7 +174,10 @@ def cmd_distill(a: argparse.Namespace) -> int:
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="python -m engine", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
-    for add in (_add_setup, _add_generate, _add_divergence, _add_distill, _add_bench):
+    from engine import lab
+
+    for add in (_add_setup, _add_generate, _add_divergence, _add_distill, _add_bench, _add_import_speckv,
+                *lab.COMMANDS):
         add(sub)
     return parser
 
@@ -178,14 +205,16 @@ def _store_run(db: str, row: dict, steps: list[dict]) -> str | None:
 
 def cmd_generate(a: argparse.Namespace) -> int:
     from engine.models import load_pair
-    from engine.policies import make_policy
+    from engine.lab import context_for
+    from engine.policies import make_policy, parse_policy
     from engine.speculative import Generation, GenConfig, encode_prompt, run_row
 
-    policy = make_policy(a.policy)  # before loading models: a typo should fail in milliseconds
+    parse_policy(a.policy)  # before loading models: a typo should fail in milliseconds
     cfg = GenConfig(max_new_tokens=a.max_new_tokens, temperature=a.temperature, top_p=a.top_p, seed=a.seed)
     cfg.validate()
     _check_store(a.db)  # a corrupt or unopenable file fails now, not after the generation
     pair = load_pair(a.target, a.draft, a.target_tier, a.draft_tier, a.device, a.trust_remote_code)
+    policy = make_policy(a.policy, context_for(a.db, pair, a.policy))  # speckv/rakv: costs, controller
     gen = Generation(pair, encode_prompt(pair.tokenizer, a.prompt, a.chat), policy, cfg)
     shown = ""
     for _ in gen:

@@ -13,6 +13,8 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
+from engine import invariance
+
 MARKER = "speclab_draft.json"
 WEIGHTS = "draft.safetensors"
 SHIPPED = Path(__file__).parent / "data" / "drafts" / "smollm2-135m-instruct"
@@ -137,7 +139,7 @@ def load_draft(path: str | Path, embedding: torch.Tensor, device: torch.device,
             "(embedding fingerprint differs)"
         )
     cfg = AutoConfig.from_pretrained(path)
-    draft = AutoModelForCausalLM.from_config(cfg, dtype=dtype)
+    draft = AutoModelForCausalLM.from_config(cfg, dtype=dtype, attn_implementation=invariance.register())
     state = _dequantize(load_file(str(path / WEIGHTS)), dtype)
     missing = set(own_state(draft)) - set(state)
     if missing:

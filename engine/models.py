@@ -243,6 +243,7 @@ def load_pair(
     else:
         d_model = load_model(draft, draft_tier, dev, trust_remote_code)
         d_tok = tokenizer if draft == target else load_tokenizer(draft, trust_remote_code)
+    invariance.make_verify_exact(d_model)  # the draft's catch-up reads (speculative.draft_read)
     vocab = check_vocab(
         tokenizer, d_tok, t_model.config.get_text_config().vocab_size,
         d_model.config.get_text_config().vocab_size, draft_name,

@@ -4,6 +4,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+K_MAX = 8  # longest draft any policy may ask for: the acceptance traces record L(p) up to 8
+ALPHA_DECAY = 0.8  # EWMA weight of the past in the acceptance estimate: ~5 steps of memory
+
 
 @dataclass(frozen=True)
 class Action:
@@ -83,3 +86,22 @@ class RunSummary:
     mean_accepted: float  # drafted tokens accepted per step that drafted (bonus token excluded)
     acceptance_rate: float | None  # accepted / drafted over the run; None when nothing was drafted
     stop_reason: str  # "eos" | "max_new_tokens" | "context"
+
+
+@dataclass
+class AcceptanceEWMA:
+    """EWMA of per-token acceptance, counting each step's trials as a truncated geometric:
+    `accepted` successes and one failure unless the whole draft passed."""
+
+    hits: float = 0.0
+    trials: float = 0.0
+
+    def update(self, accepted: int, drafted: int) -> None:
+        if drafted == 0:
+            return
+        self.hits = ALPHA_DECAY * self.hits + accepted
+        self.trials = ALPHA_DECAY * self.trials + accepted + (accepted < drafted)
+
+    @property
+    def alpha(self) -> float | None:
+        return self.hits / self.trials if self.trials else None

@@ -17,9 +17,7 @@ from engine import invariance, signals
 from engine.kv import new_cache
 from engine.models import KV_TIERS, ModelPair
 from engine.policies import Policy
-from engine.records import Action, DecodeState, DraftToken, RunSummary, StepRecord
-
-ALPHA_DECAY = 0.8  # EWMA weight of the past in the acceptance estimate: ~5 steps of memory
+from engine.records import AcceptanceEWMA, Action, DecodeState, DraftToken, RunSummary, StepRecord
 
 
 @dataclass
@@ -64,11 +62,34 @@ def _ms_since(t0: float, device: torch.device) -> float:
     return (time.perf_counter() - t0) * 1e3
 
 
-def _crop(cache, length: int) -> None:
+def crop_to(cache, length: int) -> None:
     extra = cache.get_seq_length() - length
     assert extra >= 0, (cache.get_seq_length(), length)
     if extra:
         cache.crop(-extra)  # transformers ≥ 5: a negative count removes that many trailing tokens
+
+
+def forward_logits(pair: ModelPair, model, ids: list[int], cache, keep: int) -> tuple[torch.Tensor, object]:
+    """Logits [keep, V] (float32, shared vocab) for the last `keep` of `ids`, and the cache."""
+    x = torch.tensor([ids], device=pair.device)  # [B=1, S]
+    if cache is None:
+        cache = new_cache(model)
+    rows: int | torch.Tensor = keep
+    if model is pair.draft and keep < len(ids):
+        # HF slices the kept rows out of [1, S, H] as a strided view; matmul then takes a bmm path
+        # that copies the whole transposed LM head (49152 × 576) first: 40 ms for a 2-token read
+        # whose one-token twin takes 6. Indexing yields a contiguous row: the plain mm path.
+        rows = torch.arange(len(ids) - keep, len(ids), device=pair.device)
+    out = model(input_ids=x, cache=cache, use_cache=True, logits_to_keep=rows)
+    return out.logits[0, :, : pair.vocab_size].float(), out.cache  # [keep, V]
+
+
+def draft_read(pair: ModelPair, feed: list[int], cache) -> tuple[torch.Tensor, object]:
+    """The draft reads tokens it has not seen. Several at once run batch-invariant, so its state
+    at a position never depends on the path (the policy) that led there: what makes the
+    acceptance traces replay live runs exactly (engine/profiling.py)."""
+    with invariance.verifying() if len(feed) > 1 else contextlib.nullcontext():
+        return forward_logits(pair, pair.draft, feed, cache, keep=1)
 
 
 def warp(logits: torch.Tensor, temperature: float, top_p: float) -> torch.Tensor:
@@ -117,25 +138,6 @@ def rejection_sample(
 
 
 @dataclass
-class _Acceptance:
-    """EWMA of per-token acceptance, counting each step's trials as a truncated geometric:
-    `accepted` successes and one failure unless the whole draft passed."""
-
-    hits: float = 0.0
-    trials: float = 0.0
-
-    def update(self, accepted: int, drafted: int) -> None:
-        if drafted == 0:
-            return
-        self.hits = ALPHA_DECAY * self.hits + accepted
-        self.trials = ALPHA_DECAY * self.trials + accepted + (accepted < drafted)
-
-    @property
-    def alpha(self) -> float | None:
-        return self.hits / self.trials if self.trials else None
-
-
-@dataclass
 class Generation:
     """One generation. Iterate it to stream `StepRecord`s; afterwards `summary`, `token_ids`
     and `records` hold the run."""
@@ -171,12 +173,7 @@ class Generation:
 
     # -- model calls ---------------------------------------------------------------------------
     def _forward(self, model, ids: list[int], cache, keep: int) -> tuple[torch.Tensor, object]:
-        """Logits [keep, V] (float32, shared vocab) for the last `keep` of `ids`, and the cache."""
-        x = torch.tensor([ids], device=self.pair.device)  # [B=1, S]
-        if cache is None:
-            cache = new_cache(model)
-        out = model(input_ids=x, cache=cache, use_cache=True, logits_to_keep=keep)
-        return out.logits[0, :, : self.pair.vocab_size].float(), out.cache  # [keep, V]
+        return forward_logits(self.pair, model, ids, cache, keep)
 
     def _choose(self, logits: torch.Tensor) -> tuple[int, torch.Tensor]:
         """A token from logits [V] and the distribution behind it (greedy: the plain softmax,
@@ -196,7 +193,7 @@ class Generation:
         tokens = list(self.prompt_ids)
         n_prompt = len(tokens)
         budget = min(cfg.max_new_tokens, pair.max_context - n_prompt)
-        acc = _Acceptance()
+        acc = AcceptanceEWMA()
         stop = "max_new_tokens" if budget == cfg.max_new_tokens else "context"
 
         # Step 0, the prefill: the target reads the prompt and emits the first token.
@@ -250,9 +247,12 @@ class Generation:
     def _draft(self, state: DecodeState, tokens: list[int], k: int) -> tuple[list[DraftToken], torch.Tensor | None]:
         """k tokens one at a time, each chosen from p_i; returns them and p: [k, V]."""
         drafted, p_rows = [], []
+        if k and self._d_cache is None:  # the prompt alone first, as a trace reads it
+            _, self._d_cache = self._forward(self.pair.draft, self.prompt_ids, None, keep=1)
+            self._d_len = len(self.prompt_ids)
         feed = tokens[self._d_len:]  # what the draft has not read yet, ending at tokens[-1]
         for j in range(k):
-            logits, self._d_cache = self._forward(self.pair.draft, feed, self._d_cache, keep=1)
+            logits, self._d_cache = draft_read(self.pair, feed, self._d_cache)
             x, p_j = self._choose(logits[0])  # p_j: [V]
             drafted.append(DraftToken(x, float(signals.entropy_bits(p_j)), float(signals.confidence(p_j))))
             p_rows.append(p_j)
@@ -280,10 +280,10 @@ class Generation:
         tokens.extend(new)
         # Roll back: the target keeps everything but the newest token (it is the next input);
         # the draft keeps the prefix of what it read that is still in `tokens`.
-        _crop(self._t_cache, len(tokens) - 1)
+        crop_to(self._t_cache, len(tokens) - 1)
         if draft:
             self._d_len = old_len + min(n, len(draft) - 1)
-            _crop(self._d_cache, self._d_len)
+            crop_to(self._d_cache, self._d_len)
         return n, new
 
     def _record(self, step, position, action, drafted, new, accepted, draft_ms, verify_ms,

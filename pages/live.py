@@ -11,7 +11,8 @@ import streamlit as st
 from plotly.subplots import make_subplots
 
 from engine.models import TIERS
-from engine.policies import POLICY_EXAMPLES, make_policy
+from engine.lab import context_for
+from engine.policies import POLICY_EXAMPLES, make_policy, parse_policy
 from engine.speculative import GenConfig, Generation, encode_prompt, run_row
 from pages.common import get_pair, save_run, settings, show_error, show_saved, Saved
 
@@ -133,12 +134,14 @@ def generate(inp: dict, out_ph, chart_ph) -> dict | None:
     (already shown)."""
     s = settings()
     try:
-        make_policy(inp["policy"])  # fail fast on a bad spec, before loading any model
+        parse_policy(inp["policy"])  # fail fast on a bad spec, before loading any model
         pair = get_pair(s, inp["tier"])
+        with st.spinner("Reading the cost table and controller (measured once when missing)…"):
+            ctx = context_for(s.db, pair, inp["policy"])  # speckv/rakv need them
         ids = encode_prompt(pair.tokenizer, inp["prompt"], chat=inp["chat"])
         cfg = GenConfig(max_new_tokens=inp["max_new_tokens"], temperature=inp["temperature"],
                         top_p=inp["top_p"], seed=inp["seed"])
-        gen = Generation(pair, ids, make_policy(inp["policy"]), cfg)
+        gen = Generation(pair, ids, make_policy(inp["policy"], ctx), cfg)
     except Exception as e:  # noqa: BLE001 - one line in the UI, never a traceback
         show_error(e)
         return None

@@ -12,7 +12,7 @@ from typing import Any
 import pyarrow as pa
 
 from .errors import StoreError
-from .schema import arrow_schema, columns
+from .schema import PY_DEFAULTS, arrow_schema, columns
 
 # Per-step draft statistics are undefined when nothing was drafted; engines tend to
 # produce NaN (mean of an empty array) there, which would poison averages in SQL.
@@ -79,20 +79,20 @@ def to_table(table: str, where: str, rows: Sequence[Mapping[str, Any]]) -> pa.Ta
     return pa.Table.from_arrays(arrays, schema=schema)
 
 
-def _config_text(config: Any) -> str | None:
-    """The config column holds JSON text; accept a dict or already-serialized text."""
+def json_text(config: Any, where: str = "run.config") -> str | None:
+    """JSON columns hold text; accept a dict or already-serialized text."""
     if config is None:
         return None
     if isinstance(config, str):
         try:
             json.loads(config)
         except ValueError as exc:
-            raise StoreError(f"run.config is a string but not valid JSON ({exc})") from None
+            raise StoreError(f"{where} is a string but not valid JSON ({exc})") from None
         return config
     try:
         return json.dumps(config, allow_nan=True, default=_json_default)
     except (TypeError, ValueError) as exc:
-        raise StoreError(f"run.config cannot be serialized to JSON ({exc})") from None
+        raise StoreError(f"{where} cannot be serialized to JSON ({exc})") from None
 
 
 def _json_default(value: Any) -> Any:
@@ -118,7 +118,10 @@ def prepare_run(run: Mapping[str, Any]) -> dict[str, Any]:
     # keeps the time it actually ran.
     if out.get("created_at") is None:
         out["created_at"] = dt.datetime.now()
-    out["config"] = _config_text(out.get("config"))
+    out["config"] = json_text(out.get("config"))
+    for name, value in PY_DEFAULTS["runs"].items():
+        if out.get(name) is None:
+            out[name] = value
     return out
 
 

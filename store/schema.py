@@ -71,7 +71,70 @@ MIGRATIONS: list[str] = [
         PRIMARY KEY (run_id, step)
     );
     """,
+    # 2: where a run came from, and the tables profiling and learned controllers need.
+    # ADD COLUMN ... DEFAULT fills the runs already in the file, so they read 'speclab'.
+    """
+    ALTER TABLE runs ADD COLUMN source VARCHAR DEFAULT 'speclab';
+    ALTER TABLE runs ADD COLUMN sweep VARCHAR;
+    CREATE TABLE traces (
+        trace_id VARCHAR PRIMARY KEY,
+        created_at TIMESTAMP DEFAULT CAST(now() AS TIMESTAMP),
+        target VARCHAR,
+        draft VARCHAR,
+        target_tier VARCHAR,
+        draft_tier VARCHAR,
+        device VARCHAR,
+        prompt VARCHAR,
+        task VARCHAR,
+        chat BOOLEAN,
+        max_new_tokens INTEGER,
+        k_max INTEGER,
+        prompt_ids INTEGER[],
+        token_ids INTEGER[],
+        stop_reason VARCHAR,
+        config JSON
+    );
+    CREATE TABLE trace_positions (
+        trace_id VARCHAR NOT NULL,
+        position INTEGER NOT NULL,
+        accept_len INTEGER,
+        draft_ids INTEGER[],
+        entropies DOUBLE[],
+        confidences DOUBLE[],
+        accept_prob DOUBLE,
+        context_len INTEGER,
+        PRIMARY KEY (trace_id, position)
+    );
+    CREATE TABLE costs (
+        cost_id VARCHAR NOT NULL,
+        created_at TIMESTAMP DEFAULT CAST(now() AS TIMESTAMP),
+        device VARCHAR,
+        target VARCHAR,
+        draft VARCHAR,
+        target_tier VARCHAR,
+        draft_tier VARCHAR,
+        ctx_bucket INTEGER NOT NULL,
+        draft_ms DOUBLE,
+        verify_ms DOUBLE[],
+        reps INTEGER,
+        PRIMARY KEY (cost_id, ctx_bucket)
+    );
+    CREATE TABLE controllers (
+        name VARCHAR NOT NULL,
+        version INTEGER NOT NULL,
+        created_at TIMESTAMP DEFAULT CAST(now() AS TIMESTAMP),
+        source VARCHAR,
+        params BLOB,
+        meta JSON,
+        active BOOLEAN,
+        PRIMARY KEY (name, version)
+    );
+    """,
 ]
+
+# Values Python fills in for a missing key, matching the column DEFAULTs above: inserts
+# go BY NAME with every column present, so a SQL DEFAULT alone would never apply.
+PY_DEFAULTS: dict[str, dict[str, object]] = {"runs": {"source": "speclab"}}
 
 SCHEMA_VERSION: int = len(MIGRATIONS)
 
@@ -89,6 +152,7 @@ _ARROW_TYPES: dict[str, pa.DataType] = {
     "INTEGER[]": pa.list_(pa.int32()),
     "BIGINT[]": pa.list_(pa.int64()),
     "DOUBLE[]": pa.list_(pa.float64()),
+    "BLOB": pa.binary(),
 }
 
 

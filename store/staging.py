@@ -16,7 +16,7 @@ import duckdb
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from .schema import arrow_schema
+from .schema import PY_DEFAULTS, arrow_schema
 
 RUN_SUFFIX = ".run.parquet"
 STEPS_SUFFIX = ".steps.parquet"
@@ -71,12 +71,14 @@ def pending(db_path: str) -> list[StagedWrite]:
 
 
 def _read(path: Path, table: str) -> pa.Table:
-    # Cast to the current schema: a file staged by an older schema gains NULL columns.
+    # Cast to the current schema: a file staged by an older schema gains its missing
+    # columns, as NULL or as the column's default (an old staged run is a 'speclab' run).
     data = pq.read_table(path)
     schema = arrow_schema(table)
+    defaults = PY_DEFAULTS.get(table, {})
     arrays = [
         data.column(f.name).cast(f.type) if f.name in data.column_names
-        else pa.nulls(data.num_rows, f.type)
+        else pa.array([defaults.get(f.name)] * data.num_rows, type=f.type)
         for f in schema
     ]
     return pa.Table.from_arrays(arrays, schema=schema)

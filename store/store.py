@@ -1,7 +1,10 @@
-"""The Store: runs and steps in a DuckDB file, with staging when another process holds it."""
+"""The Store: runs and steps in a DuckDB file, with staging when another process holds it;
+plus profiling traces, cost tables and learned controllers (see tables.py)."""
 
 from __future__ import annotations
 
+import datetime as dt
+import json
 import os
 import threading
 from collections.abc import Iterator, Mapping, Sequence
@@ -10,19 +13,39 @@ from types import TracebackType
 from typing import Any
 
 import duckdb
+import numpy as np
 import pandas as pd
+import pyarrow as pa
+import pyarrow.compute as pc
 
 from . import connection
 from .connection import LockedError, acquire, connect_with_wait, release, unreadable
 from .errors import StoreError
-from .rows import prepare_run, prepare_steps, to_table
+from .rows import json_text, prepare_run, prepare_steps, to_table
 from .schema import check_readable, columns, migrate
 from .staging import StagedWrite, ingest_staged, insert_arrow, stage, staging_dir
+from .tables import (COST_KEY, latest_costs_sql, next_version, pack_params, prepare_costs,
+                     prepare_trace, unpack_params)
 
 
 def _first_line(exc: BaseException) -> str:
     text = str(exc).strip()
     return text.splitlines()[0] if text else type(exc).__name__
+
+
+@contextmanager
+def _transaction(con: duckdb.DuckDBPyConnection, what: str) -> Iterator[duckdb.DuckDBPyConnection]:
+    """All or nothing: a DuckDB error rolls back and says in one line what was not stored."""
+    con.execute("BEGIN TRANSACTION")
+    try:
+        yield con
+        con.execute("COMMIT")
+    except duckdb.Error as exc:
+        con.execute("ROLLBACK")
+        raise StoreError(f"{what} not stored ({_first_line(exc)})") from None
+    except BaseException:
+        con.execute("ROLLBACK")
+        raise
 
 
 # DuckDB gives int64 for an integer column without NULLs and Int64 with them; callers
@@ -134,38 +157,160 @@ class Store:
         return run_id
 
     def _insert(self, run_id: str, run_table: Any, steps_table: Any) -> None:
-        con = self._cursor()
-        con.execute("BEGIN TRANSACTION")
-        try:
+        with _transaction(self._cursor(), f"run {run_id}") as con:
             insert_arrow(con, "runs", run_table)
             insert_arrow(con, "steps", steps_table)
-            con.execute("COMMIT")
-        except duckdb.Error as exc:
-            con.execute("ROLLBACK")
-            raise StoreError(f"run {run_id} not stored ({_first_line(exc)})") from None
-        except BaseException:
-            con.execute("ROLLBACK")
-            raise
+
+    def add_runs(self, runs: Sequence[tuple[Mapping[str, Any], Sequence[Mapping[str, Any]]]],
+                 *, skip_existing: bool = False) -> list[str]:
+        """Store many (run, steps) pairs in ONE transaction (imports); returns the run_ids added.
+
+        With skip_existing, runs whose run_id is already stored are left out, so
+        re-importing with deterministic ids adds nothing twice.
+        """
+        run_rows = [prepare_run(run) for run, _ in runs]
+        step_rows = [row for run_row, (_, steps) in zip(run_rows, runs)
+                     for row in prepare_steps(run_row["run_id"], steps or ())]
+        run_table = to_table("runs", "runs", run_rows)
+        steps_table = to_table("steps", "steps", step_rows)
+        ids = [row["run_id"] for row in run_rows]
+        with self._writing(f"{len(ids)} runs") as con:
+            if skip_existing and ids:
+                there = con.execute("SELECT run_id FROM runs WHERE list_contains(?, run_id)",
+                                    [ids]).fetchall()
+                old = pa.array([r[0] for r in there], type=pa.string())
+                run_table = run_table.filter(pc.invert(pc.is_in(run_table["run_id"], old)))
+                steps_table = steps_table.filter(pc.invert(pc.is_in(steps_table["run_id"], old)))
+            insert_arrow(con, "runs", run_table)
+            insert_arrow(con, "steps", steps_table)
+        return [str(x) for x in run_table["run_id"].to_pylist()]
+
+    def add_trace(self, trace: Mapping[str, Any], positions: Sequence[Mapping[str, Any]]) -> str:
+        """Store one traced prompt and its per-position records atomically; returns trace_id."""
+        trace_id, trace_table, positions_table = prepare_trace(trace, positions or ())
+        with self._writing(f"trace {trace_id}") as con:
+            insert_arrow(con, "traces", trace_table)
+            insert_arrow(con, "trace_positions", positions_table)
+        return trace_id
+
+    def add_costs(self, rows: Sequence[Mapping[str, Any]]) -> str:
+        """Store one batch of cost measurements (one row per ctx_bucket); returns its cost_id."""
+        cost_id, table = prepare_costs(rows)
+        with self._writing(f"costs {cost_id}") as con:
+            insert_arrow(con, "costs", table)
+        return cost_id
+
+    def add_controller(self, name: str, params: dict[str, np.ndarray], meta: dict[str, Any],
+                       source: str, activate: bool = True) -> int:
+        """Store a new version of a controller; returns it. activate makes it the only active one."""
+        if not isinstance(name, str) or not name:
+            raise StoreError(f"controller name must be a non-empty string, got {name!r}")
+        blob = pack_params(params)
+        meta_text = json_text(meta, f"controller {name!r} meta")
+        with self._writing(f"controller {name!r}") as con:
+            # Versioning and deactivation in the same transaction as the insert, so two
+            # writers can never both end up active or share a version.
+            version = next_version(con, name)
+            if activate:
+                con.execute("UPDATE controllers SET active = false WHERE name = ? AND active",
+                            [name])
+            con.execute(
+                "INSERT INTO controllers (name, version, created_at, source, params, meta, active)"
+                " VALUES (?, ?, ?, ?, ?, ?, ?)",
+                [name, version, dt.datetime.now(), source, blob, meta_text, bool(activate)],
+            )
+        return version
+
+    @contextmanager
+    def _writing(self, what: str) -> Iterator[duckdb.DuckDBPyConnection]:
+        """A cursor inside one transaction; refuses read-only and locked files in one line."""
+        self._check_open()
+        if self.read_only:
+            raise StoreError(f"{self.path} is open read-only; cannot add {what}")
+        with self._lock:
+            if self.staged:
+                # Only runs are staged (they must never be lost); these are cheap to redo.
+                raise StoreError(f"{self._locked_text(self._holder_pid)}; {what} not stored,"
+                                 " retry once that process closes it")
+            with _transaction(self._cursor(), what) as con:
+                yield con
 
     # ----- reading -------------------------------------------------------------------
     def runs(self, **equals: Any) -> pd.DataFrame:
         """Runs whose columns equal the given values (None matches NULL), oldest first."""
-        known = {name for name, _ in columns("runs")}
+        return self._select("runs", "run_id", equals)
+
+    def traces(self, **equals: Any) -> pd.DataFrame:
+        """Traces whose columns equal the given values (None matches NULL), oldest first."""
+        return self._select("traces", "trace_id", equals)
+
+    def _select(self, table: str, id_col: str, equals: Mapping[str, Any]) -> pd.DataFrame:
+        known = [name for name, _ in columns(table)]
         clauses: list[str] = []
         params: list[Any] = []
         for key, value in equals.items():
             if key not in known:
-                raise StoreError(f"runs(): unknown column {key!r}"
-                                 f" (known: {', '.join(n for n, _ in columns('runs'))})")
+                raise StoreError(f"{table}(): unknown column {key!r} (known: {', '.join(known)})")
             if value is None:
                 clauses.append(f'"{key}" IS NULL')
             else:
                 clauses.append(f'"{key}" = ?')
                 params.append(value)
         where = f" WHERE {' AND '.join(clauses)}" if clauses else ""
-        sql = f"SELECT * FROM runs{where} ORDER BY created_at, run_id"
+        sql = f"SELECT * FROM {table}{where} ORDER BY created_at, {id_col}"
         with self._reader() as con:
-            return _typed(con.execute(sql, params).df(), "runs")
+            return _typed(con.execute(sql, params).df(), table)
+
+    def trace_positions(self, trace_id: str | None = None) -> pd.DataFrame:
+        """Positions of one trace, or of all traces ordered like traces(), then by position."""
+        where = " WHERE p.trace_id = ?" if trace_id is not None else ""
+        sql = (f"SELECT p.* FROM trace_positions p LEFT JOIN traces t ON t.trace_id = p.trace_id"
+               f"{where} ORDER BY t.created_at, p.trace_id, p.position")
+        with self._reader() as con:
+            df = con.execute(sql, [trace_id] if trace_id is not None else []).df()
+            return _typed(df, "trace_positions")
+
+    def costs(self, device: str | None = None, target: str | None = None,
+              draft: str | None = None, target_tier: str | None = None,
+              draft_tier: str | None = None) -> pd.DataFrame:
+        """The newest cost batch per (device, target, draft, tiers) key; None filters nothing.
+
+        Rows are ordered by key, then ctx_bucket; older batches are kept but not returned.
+        """
+        values = (device, target, draft, target_tier, draft_tier)
+        sql, params = latest_costs_sql(dict(zip(COST_KEY, values)))
+        with self._reader() as con:
+            return _typed(con.execute(sql, params).df(), "costs")
+
+    def controller(self, name: str,
+                   version: int | None = None) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
+        """(params, meta) of one version; None means the active one, else the latest."""
+        pick = " AND version = ?" if version is not None else ""
+        sql = (f"SELECT version, params, meta FROM controllers WHERE name = ?{pick}"
+               " ORDER BY coalesce(active, false) DESC, version DESC LIMIT 1")
+        with self._reader() as con:
+            row = con.execute(sql, [name] + ([version] if version is not None else [])).fetchone()
+            have = [r[0] for r in con.execute(
+                "SELECT version FROM controllers WHERE name = ? ORDER BY version", [name]
+            ).fetchall()] if row is None else []
+        if row is None and not have:
+            raise StoreError(f"no controller {name!r} in {self.path};"
+                             " run `python -m engine retrain` first")
+        if row is None:
+            raise StoreError(f"no controller {name!r} version {version} in {self.path}"
+                             f" (versions: {', '.join(map(str, have))})")
+        where = f"controller {name!r} version {row[0]} in {self.path}"
+        if row[1] is None:
+            raise StoreError(f"{where} has no params")
+        meta = json.loads(row[2]) if row[2] is not None else {}
+        return unpack_params(bytes(row[1]), where), meta
+
+    def controllers(self) -> pd.DataFrame:
+        """Every controller version (without params), by name then version."""
+        sql = ("SELECT name, version, created_at, source, active, meta FROM controllers"
+               " ORDER BY name, version")
+        with self._reader() as con:
+            return _typed(con.execute(sql).df(), "controllers")
 
     def steps(self, run_id: str | None = None) -> pd.DataFrame:
         """Steps of one run, or of all runs ordered like runs(), then by step."""

@@ -101,6 +101,20 @@ def test_generate_streams_summarises_and_stores(app_env):
     assert run["output"] in [t.value for t in at.text]
 
 
+def test_cost_aware_policies_run_live_and_say_what_they_miss(app_env):
+    at = _app()
+    at.text_input(key="live_policy_spec").set_value("rakv")  # measures the cost table once, stores it
+    at.number_input(key="live_max_new").set_value(12)
+    at.button(key="live_generate").click().run(timeout=120)
+    assert not at.exception and not _errors(at), _errors(at)
+    with Store(app_env) as store:
+        assert list(store.runs()["policy"]) == ["rakv"] and len(store.costs()) == 3
+    at.text_input(key="live_policy_spec").set_value("speckv")  # no controller trained yet
+    at.button(key="live_generate").click().run(timeout=60)
+    errors = _errors(at)
+    assert len(errors) == 1 and "python -m engine retrain" in errors[0] and "\n" not in errors[0]
+
+
 def test_bad_policy_is_one_line_error(app_env):
     at = _app()
     at.text_input(key="live_policy_spec").set_value("fixed:99")
@@ -131,3 +145,32 @@ def test_engine_errors_are_one_line(app_env, monkeypatch):
     assert not at.exception
     errors = _errors(at)
     assert len(errors) == 1 and "\n" not in errors[0] and "/nonexistent/model" in errors[0]
+
+
+def test_replay_page_shows_policies_side_by_side_and_retrains(app_env, tiny_pair):
+    from engine.costs import measure
+    from engine.profiling import trace
+
+    with Store(app_env) as s:
+        s.add_costs(measure(tiny_pair, buckets=(8,), reps=2).to_rows(2))
+        for task, prompt in [("code", "def f(x):"), ("chat", "Hi there"), ("math", "1+1="), ("chat", "Tell me")]:
+            t = trace(tiny_pair, prompt, task, 16)
+            s.add_trace(t.row, t.positions)
+    at = AppTest.from_file(str(APP), default_timeout=120)
+    at.switch_page("pages/controllers.py").run()
+    assert not at.exception and not _errors(at)
+    assert at.title[0].value == "Replay & retrain"
+    table = at.dataframe[0].value
+    assert {"ar", "fixed:4", "rakv"} <= set(table.index) and list(table.columns) == ["fp32"]
+    at.button(key="retrain").click().run()
+    assert not at.exception and not _errors(at)
+    assert "speckv v1 is now active" in at.success[0].value
+    with Store(app_env, read_only=True) as s:
+        assert set(s.controllers()["name"]) == {"speckv", "speckv-rf"}
+
+
+def test_replay_page_without_traces_says_what_to_run(app_env):
+    at = AppTest.from_file(str(APP), default_timeout=60)
+    at.switch_page("pages/controllers.py").run()
+    assert not at.exception and not _errors(at)
+    assert "python -m engine trace" in at.info[0].value

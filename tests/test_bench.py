@@ -20,3 +20,27 @@ def test_draft_bench_reports_what_the_issue_asks(tiny_pair):
     assert res["draft_cost_ratio"] == pytest.approx(res["draft_ms"] / res["target_ms"])
     assert res["best_fixed_k"] in (1, 2)
     assert res["best_fixed_vs_ar"] == pytest.approx(max(res["fixed_vs_ar"].values()))
+
+
+def test_controllers_bench_decision_against_sklearn_in_one_run():
+    from bench import controllers
+
+    res = controllers.decision(controllers.SPECKV_CSV, n=300)
+    assert res["speedup_vs_sklearn"] == pytest.approx(res["sklearn_decision_ms_median"] / res["decision_ms_median"])
+    assert res["vs_paper"] == pytest.approx(res["decision_ms_median"] / controllers.PAPER_DECISION_MS)
+
+
+def test_controllers_bench_live_reports_every_policy_per_tier(tiny_dirs, tmp_path):
+    import argparse
+
+    from bench import controllers
+
+    target, draft = tiny_dirs
+    a = argparse.Namespace(target=str(target), draft=str(draft), draft_tier=None, device="cpu", tiers="fp32",
+                           ks="1,2", per_task=1, train_per_task=1, max_new_tokens=12, db=str(tmp_path / "c.duckdb"))
+    res = controllers.live(a)
+    t = res["tiers"]["fp32"]
+    assert set(t["tokens_per_s"]) == {"ar", "fixed:1", "fixed:2", "speckv", "rakv"} and t["prompts"] == 4
+    assert t["peer"] == pytest.approx(max(t["tokens_per_s"]["ar"], t["tokens_per_s"][t["best_fixed"]]))
+    assert t["vs_peer"]["rakv"] == pytest.approx(t["tokens_per_s"]["rakv"] / t["peer"])
+    assert res["controller"]["whatif_kind"] == "exact replay"

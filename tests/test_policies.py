@@ -1,6 +1,7 @@
 import pytest
 
-from engine.policies import K_MAX, POLICY_EXAMPLES, make_policy
+from engine.policies import K_MAX, NEEDS_CONTEXT, POLICY_EXAMPLES, PolicyContext, make_policy
+from tiny import synthetic_context
 from engine.records import DecodeState, DraftToken, StepRecord
 
 
@@ -19,11 +20,51 @@ def _rec(k_chosen, k_drafted, accepted, ents=(), confs=()):
                       context_len=10, target_tier="fp32", kv_tier="native")
 
 
-@pytest.mark.parametrize("spec", POLICY_EXAMPLES + ["fixed:0", "fixed:8", "threshold:0.7", "heuristic:2"])
+def _costs(**kw):
+    return synthetic_context(**kw).costs
+
+
+def _context():
+    return synthetic_context()
+
+
+@pytest.mark.parametrize("spec", POLICY_EXAMPLES + ["fixed:0", "fixed:8", "threshold:0.7", "heuristic:2", "rakv:0.3"])
 def test_examples_parse_and_choose_a_valid_k(spec):
-    pol = make_policy(spec)
+    pol = make_policy(spec, _context())
     k = pol.choose(_state()).k
     assert 0 <= k <= K_MAX
+
+
+@pytest.mark.parametrize("spec", NEEDS_CONTEXT)
+def test_learned_and_costed_policies_say_what_they_need(spec):
+    with pytest.raises(ValueError, match="python -m engine (costs|retrain)") as e:
+        make_policy(spec)
+    assert "\n" not in str(e.value)
+
+
+def test_rakv_speculates_only_when_it_pays():
+    pol = make_policy("rakv", PolicyContext(costs=_costs()))
+    sure, unsure = _state(), _state()
+    sure.alpha_ewma, unsure.alpha_ewma = 0.95, 0.02
+    assert pol.choose(sure).k == K_MAX  # verify is nearly free per token: draft long
+    assert pol.choose(unsure).k == 0  # nothing would be accepted: plain decoding is cheapest
+    costly_draft = make_policy("rakv", PolicyContext(costs=_costs(draft_ms=30.0)))
+    assert costly_draft.choose(sure).k == 0  # a draft dearer than the target never pays
+    # k = 0 teaches nothing about α: after 8 plain steps in a row, one 1-token probe.
+    streak = _state([_rec(0, 0, 0)] * 8)
+    streak.alpha_ewma = 0.02
+    assert pol.choose(streak).k == 1
+
+
+def test_speckv_follows_its_predictor_and_costs():
+    ctx = _context()
+    pol = make_policy("speckv", ctx)
+    confident = _state([_rec(4, 4, 4, ents=[0.1] * 4, confs=[0.99] * 4)])
+    unsure = _state([_rec(4, 4, 0, ents=[3.0] * 4, confs=[0.2] * 4)])
+    assert pol.choose(confident).k > pol.choose(unsure).k
+    assert pol.last_expected >= 1.0
+    paper = make_policy("speckv-paper", ctx)
+    assert paper.choose(unsure).k in (2, 4, 6, 8)  # the paper's grid: never plain decoding
 
 
 @pytest.mark.parametrize("spec,msg", [

@@ -15,6 +15,7 @@ from engine.models import load_pair
 from engine.policies import POLICY_EXAMPLES, make_policy
 from engine.prompts import bench_prompts
 from engine.speculative import Generation, GenConfig, encode_prompt
+from tiny import synthetic_context
 
 MAX_NEW = 40
 NEAR_TIE = 1e-4  # top-2 logit margin under which fp rounding may pick either token
@@ -47,13 +48,30 @@ def test_greedy_equals_hf_generate_for_every_policy(pair, task, prompt):
     ids = encode_prompt(pair.tokenizer, prompt, chat=True)
     ref = _hf_greedy(pair, ids, MAX_NEW)
     for policy in POLICY_EXAMPLES:
-        out = Generation(pair, ids, make_policy(policy), GenConfig(max_new_tokens=MAX_NEW)).run().token_ids
+        out = Generation(pair, ids, make_policy(policy, synthetic_context()), GenConfig(max_new_tokens=MAX_NEW)).run().token_ids
         i = divergence.first_difference(ref, out)
         if i is None:
             continue
         margin = _margin(pair, ids, ref[:i])
         assert margin < NEAR_TIE, f"{pair.target_tier} {policy} {task}: differs at {i}, margin {margin:.2e}"
         warnings.warn(f"near tie excused: {pair.target_tier} {policy} {task} at {i}, margin {margin:.1e}")
+
+
+def test_replay_of_traces_matches_live_runs(pair):
+    """The what-if engine's promise on the real pair (fp32 and bf16): replaying a policy over the
+    prompt's acceptance trace gives the live run's steps and accepted counts, one for one."""
+    from engine.profiling import trace
+    from engine.whatif import replay
+
+    ctx = synthetic_context()
+    for task, prompt in PROMPTS[:3]:
+        t = trace(pair, prompt, task, MAX_NEW)
+        ids = encode_prompt(pair.tokenizer, prompt, chat=True)
+        for spec in ("fixed:4", "speckv", "rakv"):
+            live = Generation(pair, ids, make_policy(spec, ctx), GenConfig(max_new_tokens=MAX_NEW)).run()
+            rep = replay(make_policy(spec, ctx), t.row, t.positions, ctx.costs)
+            assert live.token_ids == t.row["token_ids"], (spec, task)
+            assert rep.outcome() == [(r.k_chosen, r.k_drafted, r.accepted, r.emitted) for r in live.records[1:]], (spec, task)
 
 
 @pytest.fixture(scope="module", params=["int8", "nf4"])

@@ -8,6 +8,7 @@ from scipy import stats
 from engine.models import load_pair
 from engine.policies import POLICY_EXAMPLES, make_policy
 from engine.speculative import Generation, GenConfig, encode_prompt, rejection_sample, warp
+from tiny import synthetic_context
 
 PROMPTS = ["Hello there", "def f(x): return", "2+2=", "Tell me a story about a cat."]
 POLICIES = POLICY_EXAMPLES + ["fixed:1", "fixed:8", "threshold:0.9"]
@@ -21,7 +22,7 @@ def _hf_greedy(pair, ids, n):
 
 
 def _gen(pair, ids, policy, **cfg):
-    return Generation(pair, ids, make_policy(policy), GenConfig(**cfg)).run()
+    return Generation(pair, ids, make_policy(policy, synthetic_context()), GenConfig(**cfg)).run()
 
 
 @pytest.mark.parametrize("prompt", PROMPTS)

@@ -58,3 +58,22 @@ def save_tiny_llama(out: Path, seed: int, layers: int = 2, hidden: int = 32, ext
     model.save_pretrained(out, safe_serialization=True)
     (out / "speclab-test.json").write_text(json.dumps({"seed": seed, "noise": noise}))
     return out
+
+
+def synthetic_context(draft_ms: float = 1.0, verify0: float = 10.0, per_token: float = 0.5):
+    """A PolicyContext for `speckv`/`rakv` without measuring or storing anything: verify over
+    k + 1 tokens costs verify0 + k·per_token ms, and the MLP is fitted on made-up steps where
+    confident drafts are accepted and longer ones less."""
+    import numpy as np
+
+    from engine.costs import CostTable
+    from engine.policies import PolicyContext
+    from engine.records import K_MAX
+    from engine.training import fit_mlp
+
+    rng = np.random.default_rng(0)
+    x = np.column_stack([rng.uniform(0, 4, 400), rng.uniform(0.2, 1, 400), rng.uniform(0, 6, 400),
+                         rng.uniform(0, 1, 400), rng.integers(0, 3, 400), rng.choice([1, 2, 4, 6, 8], 400)])
+    mlp = fit_mlp(x, np.clip(x[:, 1] - 0.05 * x[:, 5], 0, 1))
+    costs = CostTable([1], [draft_ms], [[verify0 + k * per_token for k in range(K_MAX + 1)]])
+    return PolicyContext(costs=costs, controller=lambda name, version: mlp)

@@ -1,13 +1,38 @@
-"""γ policies, parsed from strings such as `fixed:4`, `threshold:0.4`, `heuristic`, `rules`."""
+"""γ policies, parsed from strings such as `fixed:4`, `threshold:0.4`, `heuristic`, `rules`,
+`speckv`, `rakv`. The learned and cost-aware ones need a `PolicyContext` (a cost table, stored
+controllers); the CLI, the app and the benchmarks build it from the store."""
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Callable
 
-from engine.policies.base import K_MAX, BasePolicy, Policy
+from engine.controllers import Predictor
+from engine.costs import CostTable
+
+from engine.policies.base import BasePolicy, Policy
 from engine.policies.fixed import FixedPolicy
 from engine.policies.heuristic import HeuristicPolicy
+from engine.policies.rakv import RakvPolicy
 from engine.policies.rules import RulesPolicy
+from engine.policies.speckv import SpeckvPolicy
 from engine.policies.threshold import ThresholdPolicy
+from engine.records import K_MAX
+
+
+@dataclass
+class PolicyContext:
+    costs: CostTable | None = None  # measured for the pair and tier the policy will run on
+    controller: Callable[[str, int | None], Predictor] | None = None  # (name, version or None = active)
+
+    def need_costs(self, policy: str) -> CostTable:
+        if self.costs is None:
+            raise ValueError(f"policy {policy} needs a cost table: run `python -m engine costs` for this pair and tier")
+        return self.costs
+
+    def need_controller(self, name: str, version: int | None) -> Predictor:
+        if self.controller is None:
+            raise ValueError(f"policy {name} needs a trained controller: run `python -m engine retrain` (and pass --db)")
+        return self.controller(name, version)
 
 
 def _int_arg(name: str, arg: str) -> int:
@@ -24,14 +49,26 @@ def _float_arg(name: str, arg: str) -> float:
         raise ValueError(f"policy {name}: expected a number after ':', got {arg!r}") from None
 
 
-# name → (factory taking the text after ':' or None, example shown in help/errors)
-_FACTORIES: dict[str, tuple[Callable[[str | None], Policy], str]] = {
-    "ar": (lambda a: FixedPolicy(0) if a is None else _no_arg("ar"), "ar"),
-    "fixed": (lambda a: FixedPolicy(_int_arg("fixed", a if a is not None else "4")), "fixed:4"),
-    "heuristic": (lambda a: HeuristicPolicy(4 if a is None else _int_arg("heuristic", a)), "heuristic"),
-    "threshold": (lambda a: ThresholdPolicy(0.4 if a is None else _float_arg("threshold", a)), "threshold:0.4"),
-    "rules": (lambda a: RulesPolicy() if a is None else _no_arg("rules"), "rules"),
+def _version(name: str, a: str | None) -> int | None:
+    return None if a is None else _int_arg(name, a)
+
+
+# name → (factory taking the text after ':' (or None) and the context, example shown in help/errors)
+_FACTORIES: dict[str, tuple[Callable[[str | None, PolicyContext], Policy], str]] = {
+    "ar": (lambda a, c: FixedPolicy(0) if a is None else _no_arg("ar"), "ar"),
+    "fixed": (lambda a, c: FixedPolicy(_int_arg("fixed", a if a is not None else "4")), "fixed:4"),
+    "heuristic": (lambda a, c: HeuristicPolicy(4 if a is None else _int_arg("heuristic", a)), "heuristic"),
+    "threshold": (lambda a, c: ThresholdPolicy(0.4 if a is None else _float_arg("threshold", a)), "threshold:0.4"),
+    "rules": (lambda a, c: RulesPolicy() if a is None else _no_arg("rules"), "rules"),
+    "speckv": (lambda a, c: SpeckvPolicy(c.need_controller("speckv", _version("speckv", a)),
+                                         c.need_costs("speckv")), "speckv"),
+    "speckv-rf": (lambda a, c: SpeckvPolicy(c.need_controller("speckv-rf", _version("speckv-rf", a)),
+                                            c.need_costs("speckv-rf"), name="speckv-rf"), "speckv-rf"),
+    "speckv-paper": (lambda a, c: SpeckvPolicy(c.need_controller("speckv", _version("speckv-paper", a)), c.costs,
+                                               objective="paper", name="speckv-paper"), "speckv-paper"),
+    "rakv": (lambda a, c: RakvPolicy(c.need_costs("rakv"), 0.6 if a is None else _float_arg("rakv", a)), "rakv"),
 }
+NEEDS_CONTEXT = ("speckv", "speckv-rf", "speckv-paper", "rakv")
 
 POLICY_EXAMPLES = [example for _, example in _FACTORIES.values()]
 
@@ -40,12 +77,19 @@ def _no_arg(name: str) -> Policy:
     raise ValueError(f"policy {name} takes no ':' argument")
 
 
-def make_policy(spec: str) -> Policy:
-    """A fresh policy from its string form; raises ValueError naming the known ones."""
+def parse_policy(spec: str) -> tuple[str, str | None]:
+    """(name, argument) of a policy string; raises ValueError naming the known ones."""
     name, _, arg = spec.strip().partition(":")
     if name not in _FACTORIES:
         raise ValueError(f"unknown policy {spec!r}; known: {', '.join(POLICY_EXAMPLES)}")
-    return _FACTORIES[name][0](arg if arg else None)
+    return name, arg or None
 
 
-__all__ = ["K_MAX", "BasePolicy", "Policy", "make_policy", "POLICY_EXAMPLES"]
+def make_policy(spec: str, context: PolicyContext | None = None) -> Policy:
+    """A fresh policy from its string form; raises ValueError naming the known ones."""
+    name, arg = parse_policy(spec)
+    return _FACTORIES[name][0](arg, context or PolicyContext())
+
+
+__all__ = ["K_MAX", "BasePolicy", "Policy", "PolicyContext", "make_policy", "parse_policy", "POLICY_EXAMPLES",
+           "NEEDS_CONTEXT"]

@@ -5,8 +5,6 @@ from typing import Protocol, runtime_checkable
 
 from engine.records import Action, DecodeState, DraftToken, StepRecord
 
-K_MAX = 8  # longest draft any policy may ask for: the acceptance traces record L(p) up to 8
-
 
 @runtime_checkable
 class Policy(Protocol):
@@ -45,3 +43,18 @@ class BasePolicy:
 
     def reset(self) -> None:
         pass
+
+
+# Plain (k = 0) steps teach an adaptive policy nothing about acceptance, so after this many in a
+# row `speckv` and `rakv` draft one token to refresh what they know.
+PROBE_AFTER = 8
+
+
+def ar_streak(state: DecodeState) -> int:
+    """Plain (k = 0) decode steps in a row just before this one."""
+    n = 0
+    for rec in reversed(state.history):
+        if rec.step == 0 or rec.k_chosen > 0:
+            break
+        n += 1
+    return n

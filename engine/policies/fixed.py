@@ -1,8 +1,8 @@
 """`fixed:k` (constant γ) and `ar` (γ = 0: plain autoregressive decoding)."""
 from __future__ import annotations
 
-from engine.policies.base import K_MAX, BasePolicy
-from engine.records import Action, DecodeState
+from engine.policies.base import BasePolicy
+from engine.records import K_MAX, Action, DecodeState
 
 
 class FixedPolicy(BasePolicy):

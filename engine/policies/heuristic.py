@@ -1,8 +1,8 @@
 """HF assisted generation's "heuristic" schedule: +2 after a fully accepted step, −1 otherwise."""
 from __future__ import annotations
 
-from engine.policies.base import K_MAX, BasePolicy
-from engine.records import Action, DecodeState, StepRecord
+from engine.policies.base import BasePolicy
+from engine.records import K_MAX, Action, DecodeState, StepRecord
 
 
 class HeuristicPolicy(BasePolicy):

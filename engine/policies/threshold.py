@@ -2,8 +2,8 @@
 (HF's `assistant_confidence_threshold`, llama.cpp's `--draft-p-min`)."""
 from __future__ import annotations
 
-from engine.policies.base import K_MAX, BasePolicy
-from engine.records import Action, DecodeState, DraftToken
+from engine.policies.base import BasePolicy
+from engine.records import K_MAX, Action, DecodeState, DraftToken
 
 
 class ThresholdPolicy(BasePolicy):

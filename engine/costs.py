@@ -1,0 +1,110 @@
+"""Measured step costs (DESIGN.md, "Acceptance traces"): per device, pair and target tier, the
+draft's ms per drafted token and the target's verify ms for k = 0..8 drafted tokens, at a few
+context lengths. Controllers weigh draft lengths with it; the what-if replay turns steps into
+seconds with it.
+
+`CostTable` is plain Python (the replay and the store need no torch); `measure` runs the models."""
+from __future__ import annotations
+
+import bisect
+import contextlib
+import statistics
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+from engine.records import K_MAX
+
+CONTEXT_BUCKETS = (64, 256, 512)  # context lengths measured; a step uses the nearest one below
+WARMUP = 3  # forwards discarded before timing: first calls allocate and pick kernels
+
+
+@dataclass
+class CostTable:
+    """Median costs by context bucket: draft_ms[b] per drafted token, verify_ms[b][k] for a
+    target forward over k + 1 tokens (k = 0 is a plain decoding step)."""
+
+    buckets: list[int]
+    draft_ms: list[float]
+    verify_ms: list[list[float]]
+    key: dict = field(default_factory=dict)  # device, target, draft, target_tier, draft_tier
+
+    def __post_init__(self) -> None:
+        assert self.buckets == sorted(self.buckets) and self.buckets, self.buckets
+        assert len(self.draft_ms) == len(self.verify_ms) == len(self.buckets)
+        assert all(len(v) == K_MAX + 1 for v in self.verify_ms), "verify costs need k = 0..8"
+
+    def _bucket(self, context_len: int) -> int:
+        return max(0, bisect.bisect_right(self.buckets, context_len) - 1)
+
+    def step_ms(self, k: int, context_len: int) -> float:
+        """One decode step drafting k tokens: k draft forwards and one verify over k + 1."""
+        b = self._bucket(context_len)
+        return k * self.draft_ms[b] + self.verify_ms[b][k]
+
+    @classmethod
+    def from_rows(cls, rows: list[dict]) -> "CostTable":
+        """From the store's `costs` rows (one per bucket)."""
+        if not rows:
+            raise ValueError("no cost rows: run `python -m engine costs` for this pair and tier first")
+        rows = sorted(rows, key=lambda r: r["ctx_bucket"])
+        key = {k: rows[0][k] for k in ("device", "target", "draft", "target_tier", "draft_tier")}
+        return cls([int(r["ctx_bucket"]) for r in rows], [float(r["draft_ms"]) for r in rows],
+                   [[float(x) for x in r["verify_ms"]] for r in rows], key)
+
+    def to_rows(self, reps: int) -> list[dict]:
+        return [dict(self.key, ctx_bucket=b, draft_ms=d, verify_ms=v, reps=reps)
+                for b, d, v in zip(self.buckets, self.draft_ms, self.verify_ms)]
+
+
+def measure(pair, buckets: tuple[int, ...] = CONTEXT_BUCKETS, reps: int = 12,
+            progress: Callable[[str], None] = lambda m: None) -> CostTable:
+    """Times the engine's own calls (draft forward + its signals; verify forward under the
+    pair's batch-invariant mode) on a cache holding `bucket` tokens; medians after warm-up."""
+    import torch
+
+    from engine import invariance, signals
+    from engine.kv import new_cache
+    from engine.speculative import crop_to, sync_device
+
+    dev, vocab = pair.device, pair.vocab_size
+    buckets = tuple(b for b in buckets if b + K_MAX + 2 <= pair.max_context) or (min(buckets),)
+
+    def timed(fn: Callable[[], object]) -> float:
+        times = []
+        for i in range(WARMUP + reps):
+            sync_device(dev)
+            t0 = time.perf_counter()
+            fn()
+            sync_device(dev)
+            if i >= WARMUP:
+                times.append((time.perf_counter() - t0) * 1e3)
+        return statistics.median(times)
+
+    def forward(model, cache, n: int):
+        x = torch.randint(0, vocab, (1, n), generator=gen, device=dev)
+        logits = model(input_ids=x, cache=cache, use_cache=True, logits_to_keep=n).logits
+        return logits[0, :, :vocab].float()
+
+    def draft_token(cache, length: int) -> None:
+        p = torch.softmax(forward(pair.draft, cache, 1)[0], dim=-1)  # what _draft does per token
+        signals.entropy_bits(p), signals.confidence(p), int(p.argmax())
+        crop_to(cache, length)
+
+    def verify(cache, length: int, k: int) -> None:
+        with invariance.verifying() if pair.exact_verify else contextlib.nullcontext():
+            forward(pair.target, cache, k + 1).argmax(-1).tolist()
+        crop_to(cache, length)
+
+    gen = torch.Generator(device=dev).manual_seed(0)
+    draft_ms, verify_ms = [], []
+    with torch.inference_mode():
+        for b in buckets:
+            progress(f"costs at context {b}")
+            d_cache, t_cache = new_cache(pair.draft), new_cache(pair.target)
+            forward(pair.draft, d_cache, b), forward(pair.target, t_cache, b)
+            draft_ms.append(timed(lambda: draft_token(d_cache, b)))
+            verify_ms.append([timed(lambda k=k: verify(t_cache, b, k)) for k in range(K_MAX + 1)])
+    key = dict(device=str(dev), target=pair.target_name, draft=pair.draft_name,
+               target_tier=pair.target_tier, draft_tier=pair.draft_tier)
+    return CostTable(list(buckets), draft_ms, verify_ms, key)

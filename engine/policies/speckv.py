@@ -1,0 +1,56 @@
+"""`speckv`: the SpecKV controller, fixed (DESIGN.md, "Controllers"). A small MLP predicts the
+acceptance rate of a γ-token draft from the draft's uncertainty, the target's compression and γ;
+the policy picks the γ with the most expected tokens per measured millisecond.
+
+What differs from the paper, and why: the uncertainty features are those of the previous
+drafting step (the paper reads them from the very tokens it is choosing γ for, which are not
+known yet); k = 0 is a candidate; the objective weighs cost. The paper's own rule, `â·γ + 1`
+over γ ∈ {2, 4, 6, 8} with no cost, stays available as `speckv-paper` for comparison."""
+from __future__ import annotations
+
+import numpy as np
+
+from engine.controllers import PAPER_CANDIDATES, Predictor, candidates, expected_tokens, feature_rows, signals_before
+from engine.costs import CostTable
+from engine.policies.base import PROBE_AFTER, BasePolicy, ar_streak
+from engine.records import Action, DecodeState
+
+
+class SpeckvPolicy(BasePolicy):
+    def __init__(self, predictor: Predictor, costs: CostTable | None, objective: str = "tps",
+                 name: str = "speckv") -> None:
+        if objective not in _OBJECTIVES:
+            raise ValueError(f"speckv objective must be one of {', '.join(_OBJECTIVES)}, got {objective!r}")
+        if objective == "tps" and costs is None:
+            raise ValueError("policy speckv weighs measured costs: run `python -m engine costs` for this pair and tier")
+        self.predictor, self.costs, self.objective, self.name = predictor, costs, objective, name
+        self.last_expected: float | None = None  # the predictor's E[tokens] for its choice (replay shows the gap)
+
+    def choose(self, state: DecodeState) -> Action:
+        if self.objective == "tps" and ar_streak(state) >= PROBE_AFTER:
+            self.last_expected = None
+            return Action(k=1)
+        k, self.last_expected = _OBJECTIVES[self.objective](self, state)
+        return Action(k=k)
+
+    def _tps(self, state: DecodeState) -> tuple[int, float]:
+        grid = candidates(state)
+        ks = np.array(grid)
+        # Row k = 0 only fills the batch: a plain step yields exactly one token.
+        x = feature_rows(signals_before(state, self.predictor.defaults), state.target_tier, grid)
+        alpha = self.predictor.predict(x)  # acceptance rate of a k-token draft, per candidate
+        # Expected tokens as a truncated geometric in that rate (DESIGN.md), per measured ms.
+        e = np.where(ks == 0, 1.0, expected_tokens(alpha, ks))
+        ms = np.array([self.costs.step_ms(int(k), state.context_len) for k in ks])
+        best = int(np.argmax(e / ms))
+        return int(ks[best]), float(e[best])
+
+    def _paper(self, state: DecodeState) -> tuple[int, float]:
+        ks = np.array(PAPER_CANDIDATES)
+        x = feature_rows(signals_before(state, self.predictor.defaults), state.target_tier, PAPER_CANDIDATES)
+        e = self.predictor.predict(x) * ks + 1.0  # SpecKV: expected tokens = â·γ + 1, cost ignored
+        best = int(np.argmax(e))
+        return int(ks[best]), float(e[best])
+
+
+_OBJECTIVES = {"tps": SpeckvPolicy._tps, "paper": SpeckvPolicy._paper}

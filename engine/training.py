@@ -1,0 +1,225 @@
+"""Retraining the SpecKV controller from the store (DESIGN.md, "Controllers").
+
+Examples come from one of three sources, each row [mean H, mean c, H_max, c_min, compression, γ]
+→ acceptance rate (accepted / γ):
+- `speckv`: imported SpecKV step CSVs. The features are the step's own, as the paper used them
+  (they describe the very tokens whose acceptance is predicted: leakage, kept for comparison).
+- `runs`: our live runs. The features are the previous drafting step's, known before drafting.
+- `traces`: our acceptance traces, walked as `fixed:γ` for every γ in the grid, features from the
+  previous step of that walk: many γ per prompt from one trace.
+
+Splits: `paper` (80/20 over rows, stratified by tier × task, sklearn's seed 42: the paper's
+protocol) or `prompt` (80/20 over prompts, stratified the same way: no prompt on both sides).
+The MLP is sklearn's MLPRegressor(16), stored as its weight arrays; the 100-tree forest is kept
+as the reference."""
+from __future__ import annotations
+
+import random
+import statistics
+import time
+from dataclasses import asdict, dataclass
+
+import numpy as np
+import pandas as pd
+
+from engine.controllers import FEATURES, PAPER_CANDIDATES, Predictor, compression_code
+from engine.records import DecodeState
+
+TRACE_GAMMAS = (1, 2, 4, 6, 8)
+
+
+@dataclass
+class Examples:
+    x: np.ndarray  # [N, 6] in FEATURES order
+    y: np.ndarray  # [N] acceptance rate
+    group: np.ndarray  # [N] prompt/run id: never split across train and test under `prompt`
+    stratum: np.ndarray  # [N] "tier/task"
+
+
+def from_speckv_steps(steps: pd.DataFrame, runs: pd.DataFrame) -> Examples:
+    # As the paper: γ is the chosen length, the rate is over the tokens actually drafted (the
+    # last step of a run may draft fewer).
+    df = steps.merge(runs[["run_id", "task"]], on="run_id")
+    df = df[df["k_drafted"] > 0]
+    x = np.column_stack([df["mean_entropy"], df["mean_confidence"], df["max_entropy"], df["min_confidence"],
+                         df["target_tier"].map(compression_code), df["k_chosen"]]).astype(np.float64)
+    y = (df["accepted"] / df["k_drafted"]).to_numpy(np.float64)
+    return Examples(x, y, df["run_id"].to_numpy(), (df["target_tier"] + "/" + df["task"].fillna("-")).to_numpy())
+
+
+def from_live_steps(steps: pd.DataFrame, runs: pd.DataFrame) -> Examples:
+    rows, ys, groups, strata = [], [], [], []
+    tasks = dict(zip(runs["run_id"], runs["task"].fillna("-")))
+    for run_id, st in steps[steps["run_id"].isin(tasks)].groupby("run_id", sort=False):
+        prev = None
+        for r in st.sort_values("step").itertuples():
+            if r.k_drafted > 0:
+                if prev is not None:
+                    rows.append([*prev, compression_code(r.target_tier), r.k_drafted])
+                    ys.append(r.accepted / r.k_drafted)
+                    groups.append(run_id), strata.append(f"{r.target_tier}/{tasks[run_id]}")
+                prev = (r.mean_entropy, r.mean_confidence, r.max_entropy, r.min_confidence)
+    return _examples(rows, ys, groups, strata)
+
+
+def from_traces(traces: pd.DataFrame, positions: pd.DataFrame, gammas: tuple[int, ...] = TRACE_GAMMAS) -> Examples:
+    rows, ys, groups, strata = [], [], [], []
+    by_trace = {tid: df for tid, df in positions.groupby("trace_id", sort=False)}
+    for t in traces.itertuples():
+        at = {int(r.position): r for r in by_trace.get(t.trace_id, pd.DataFrame()).itertuples()}
+        n_out, comp = len(t.token_ids), compression_code(t.target_tier)
+        for g in gammas:  # walk the trace as fixed:g would
+            pos, prev = 1, None
+            while pos < n_out:
+                k = min(g, t.max_new_tokens - pos - 1)
+                if k < 1:
+                    break
+                a = at[pos]
+                n = min(int(a.accept_len), k)
+                if prev is not None:
+                    rows.append([*prev, comp, k]), ys.append(n / k)
+                    groups.append(t.trace_id), strata.append(f"{t.target_tier}/{t.task or '-'}")
+                ent, conf = list(a.entropies[:k]), list(a.confidences[:k])
+                prev = (sum(ent) / k, sum(conf) / k, max(ent), min(conf))
+                pos += n + 1
+    return _examples(rows, ys, groups, strata)
+
+
+def _examples(rows, ys, groups, strata) -> Examples:
+    if not rows:
+        raise ValueError("no training examples: the selected runs/traces hold no drafting steps")
+    return Examples(np.asarray(rows, np.float64), np.asarray(ys, np.float64), np.asarray(groups), np.asarray(strata))
+
+
+# -- splits ----------------------------------------------------------------------------------------
+def split(ex: Examples, protocol: str, seed: int = 42) -> tuple[np.ndarray, np.ndarray]:
+    """(train rows, test rows)."""
+    if protocol == "paper":
+        from sklearn.model_selection import train_test_split
+
+        return train_test_split(np.arange(len(ex.y)), test_size=0.2, random_state=seed, stratify=ex.stratum)
+    if protocol == "prompt":
+        rng = random.Random(seed)
+        test_groups: set = set()
+        pool: list = []  # prompts alone in their stratum are split together
+        for s in sorted(set(ex.stratum)):
+            gs = sorted(set(ex.group[ex.stratum == s]))
+            if len(gs) == 1:
+                pool += gs
+                continue
+            rng.shuffle(gs)
+            test_groups.update(gs[: max(1, round(0.2 * len(gs)))])
+        rng.shuffle(pool)
+        test_groups.update(pool[: max(1, round(0.2 * len(pool)))] if len(pool) > 1 else [])
+        is_test = np.isin(ex.group, list(test_groups))
+        return np.flatnonzero(~is_test), np.flatnonzero(is_test)
+    raise ValueError(f"unknown split protocol {protocol!r}; use paper or prompt")
+
+
+# -- models ----------------------------------------------------------------------------------------
+def fit_mlp(x: np.ndarray, y: np.ndarray, seed: int = 42) -> Predictor:
+    from sklearn.neural_network import MLPRegressor
+
+    # The paper's model: one hidden layer of 16, sklearn defaults otherwise, raw features.
+    m = MLPRegressor(hidden_layer_sizes=(16,), max_iter=500, random_state=seed).fit(x, y)
+    arrays = {f"w{i}": w for i, w in enumerate(m.coefs_)} | {f"b{i}": b for i, b in enumerate(m.intercepts_)}
+    return Predictor("mlp", arrays, _meta(x))
+
+
+def fit_forest(x: np.ndarray, y: np.ndarray, seed: int = 42, trees: int = 100) -> Predictor:
+    from sklearn.ensemble import RandomForestRegressor
+
+    f = RandomForestRegressor(n_estimators=trees, random_state=seed, n_jobs=1).fit(x, y)
+    width = max(e.tree_.node_count for e in f.estimators_)
+
+    def padded(get, fill, dtype) -> np.ndarray:
+        out = np.full((trees, width), fill, dtype=dtype)
+        for i, e in enumerate(f.estimators_):
+            v = get(e.tree_)
+            out[i, : len(v)] = v
+        return out
+
+    arrays = dict(
+        left=padded(lambda t: t.children_left, 0, np.int32), right=padded(lambda t: t.children_right, 0, np.int32),
+        feature=padded(lambda t: t.feature, -1, np.int32), threshold=padded(lambda t: t.threshold, 0.0, np.float64),
+        value=padded(lambda t: t.value[:, 0, 0], 0.0, np.float64),
+        depth=np.array(max(e.tree_.max_depth for e in f.estimators_)),
+    )
+    return Predictor("rf", arrays, _meta(x))
+
+
+def _meta(x: np.ndarray) -> dict:
+    return dict(features=list(FEATURES), signal_defaults=np.median(x[:, :4], axis=0).tolist())
+
+
+def scores(pred: Predictor, x: np.ndarray, y: np.ndarray) -> dict:
+    p = pred.predict(x)
+    return dict(corr=float(np.corrcoef(y, p)[0, 1]), mse=float(np.mean((y - p) ** 2)))
+
+
+# -- what the controller would gain ----------------------------------------------------------------
+def predictor_scored(pred: Predictor, x: np.ndarray, tiers: np.ndarray) -> dict:
+    """SpecKV's own evaluation: on each test row, expected tokens â·γ + 1 by the predictor, for
+    its γ choice vs γ = 4 and vs the best fixed γ per tier (also judged by the predictor).
+    Self-scored: it says what the predictor believes, not what a run would do."""
+    sig = x[:, :4]
+    est = {g: pred.predict(np.column_stack([sig, x[:, 4], np.full(len(x), g)])) * g + 1 for g in PAPER_CANDIDATES}
+    table = np.column_stack([est[g] for g in PAPER_CANDIDATES])  # [N, 4]
+    chosen = table.max(axis=1)
+    best_fixed = np.zeros(len(x))
+    for tier in set(tiers):
+        rows = tiers == tier
+        best_fixed[rows] = table[rows][:, int(np.argmax(table[rows].mean(axis=0)))]
+    return dict(speckv=float(chosen.mean()), fixed4=float(est[4].mean()), best_fixed=float(best_fixed.mean()),
+                gain_vs_fixed4=float(chosen.mean() / est[4].mean() - 1), gain_vs_best_fixed=float(chosen.mean() / best_fixed.mean() - 1))
+
+
+def decision_ms(pred: Predictor, costs=None, n: int = 2000) -> float:
+    """Median wall time of one `speckv` decision (feature rows, one predict over the candidates,
+    the objective), as the policy makes it."""
+    from engine.policies.speckv import SpeckvPolicy
+
+    policy = SpeckvPolicy(pred, costs, objective="tps" if costs else "paper")
+    state = DecodeState(step=1, position=1, context_len=64, remaining=100, target_tier="fp32", kv_tier="native")
+    times = []
+    for _ in range(n):
+        t0 = time.perf_counter()
+        policy.choose(state)
+        times.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(times[n // 10:])
+
+
+@dataclass
+class Report:
+    source: str
+    protocol: str
+    n_train: int
+    n_test: int
+    test_corr: float
+    test_mse: float
+    rf_test_corr: float
+    rf_test_mse: float
+    decision_ms_median: float
+    rf_decision_ms_median: float
+    whatif_kind: str  # "predictor-scored" (SpecKV's way) or "exact replay"
+    whatif_gain_vs_fixed4: float
+    whatif_gain_vs_best_fixed: float
+    whatif: dict
+    version: int | None = None
+    rf_version: int | None = None
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def train(ex: Examples, protocol: str, seed: int = 42) -> tuple[Predictor, Predictor, dict]:
+    """Fit both models on the train rows; test metrics on the rest."""
+    tr, te = split(ex, protocol, seed)
+    if len(te) == 0 or len(tr) == 0:
+        raise ValueError(f"the {protocol} split left an empty side ({len(tr)} train, {len(te)} test rows): add data")
+    mlp, rf = fit_mlp(ex.x[tr], ex.y[tr], seed), fit_forest(ex.x[tr], ex.y[tr], seed)
+    m, r = scores(mlp, ex.x[te], ex.y[te]), scores(rf, ex.x[te], ex.y[te])
+    metrics = dict(n_train=int(len(tr)), n_test=int(len(te)), test_corr=m["corr"], test_mse=m["mse"],
+                   rf_test_corr=r["corr"], rf_test_mse=r["mse"], test_rows=te)
+    return mlp, rf, metrics
+

@@ -1,0 +1,177 @@
+"""Profiling, traces, exact what-if replay, controllers and retraining, on tiny random models."""
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from engine.costs import CostTable, measure
+from engine.policies import PolicyContext, make_policy
+from engine.profiling import trace
+from engine.speculative import GenConfig, Generation, encode_prompt
+from engine.training import fit_forest, fit_mlp, from_traces
+from engine.whatif import replay, summarize
+
+ROOT = Path(__file__).resolve().parents[1]
+PROMPTS = [("code", "def add(a, b):"), ("chat", "Hello there, how"), ("math", "2 + 2 = 4. 3 + 3 ="),
+           ("chat", "The weather today")]
+MAX_NEW = 40
+
+
+@pytest.fixture(scope="module")
+def traced(tiny_pair):
+    import pandas as pd
+
+    traces = [trace(tiny_pair, p, task, MAX_NEW) for task, p in PROMPTS]
+    rows = pd.DataFrame([dict(t.row, trace_id=f"t{i}") for i, t in enumerate(traces)])
+    pos = pd.DataFrame([dict(r, trace_id=f"t{i}") for i, t in enumerate(traces) for r in t.positions])
+    mlp = fit_mlp(*_xy(from_traces(rows, pos)))
+    costs = measure(tiny_pair, buckets=(8, 32), reps=2)
+    return traces, PolicyContext(costs=costs, controller=lambda name, version: mlp)
+
+
+def _xy(ex):
+    return ex.x, ex.y
+
+
+def _live(pair, prompt, spec, ctx):
+    ids = encode_prompt(pair.tokenizer, prompt, chat=True)
+    return Generation(pair, ids, make_policy(spec, ctx), GenConfig(max_new_tokens=MAX_NEW)).run()
+
+
+def test_trace_records_the_target_output_and_draft_agreement(tiny_pair, traced):
+    traces, _ = traced
+    for t in traces:
+        out = t.row["token_ids"]
+        assert len(t.positions) == len(out) - 1 and [r["position"] for r in t.positions] == list(range(1, len(out)))
+        for r in t.positions:
+            n = r["accept_len"]
+            # L(p) counts exactly the leading draft tokens equal to the target's output.
+            assert r["draft_ids"][:n] == out[r["position"]: r["position"] + n]
+            assert n == 8 or r["position"] + n == len(out) or r["draft_ids"][n] != out[r["position"] + n]
+            assert len(r["entropies"]) == len(r["confidences"]) == 8
+    assert any(r["accept_len"] > 0 for t in traces for r in t.positions)  # the noisy draft agrees sometimes
+
+
+@pytest.mark.parametrize("spec", ["fixed:1", "fixed:3", "fixed:8", "heuristic", "threshold:0.5", "speckv", "rakv"])
+def test_replay_matches_the_live_run_step_for_step(tiny_pair, traced, spec):
+    traces, ctx = traced
+    for t in traces[:3]:
+        live = _live(tiny_pair, t.row["prompt"], spec, ctx)
+        rep = replay(make_policy(spec, ctx), t.row, t.positions, ctx.costs)
+        assert live.token_ids == t.row["token_ids"]
+        assert rep.outcome() == [(r.k_chosen, r.k_drafted, r.accepted, r.emitted) for r in live.records[1:]]
+        # Same features in, same decisions out: the signals of each drafted step agree exactly.
+        assert [r.entropies for r in rep.steps] == [r.entropies for r in live.records]
+
+
+def test_replay_costs_and_summary(traced):
+    traces, ctx = traced
+    reps = [replay(make_policy(s, ctx), t.row, t.positions, ctx.costs) for t in traces for s in ("ar", "fixed:4")]
+    rows = {(r["policy"], r["task"]): r for r in summarize(reps)}
+    ar, f4 = rows[("ar", "all")], rows[("fixed:4", "all")]
+    assert ar["tokens_per_step"] == 1.0 and ar["steps"] == ar["tokens"]
+    assert f4["tokens_per_step"] >= 1.0 and f4["tokens"] == ar["tokens"]  # same output, fewer steps
+    ms = sum(ctx.costs.step_ms(0, len(t.row["prompt_ids"]) + p) for t in traces for p in range(1, len(t.row["token_ids"])))
+    assert ar["tokens_per_s"] == pytest.approx(ar["tokens"] / (ms / 1e3))
+
+
+def test_cost_table_lookup_uses_the_bucket_at_or_below():
+    t = CostTable([64, 256], [1.0, 2.0], [[10.0 + k for k in range(9)], [20.0 + k for k in range(9)]])
+    assert t.step_ms(0, 10) == 10.0 and t.step_ms(4, 100) == 4 * 1.0 + 14.0 and t.step_ms(2, 999) == 2 * 2.0 + 22.0
+
+
+def test_stored_arrays_predict_as_sklearn_does():
+    from sklearn.ensemble import RandomForestRegressor
+    from sklearn.neural_network import MLPRegressor
+
+    rng = np.random.default_rng(1)
+    x = rng.uniform(0, 4, (300, 6))
+    y = np.clip(0.2 * x[:, 0] - 0.1 * x[:, 5] + 0.3, 0, 1)
+    ref_mlp = MLPRegressor(hidden_layer_sizes=(16,), max_iter=500, random_state=42).fit(x, y)
+    ref_rf = RandomForestRegressor(n_estimators=100, random_state=42, n_jobs=1).fit(x, y)
+    probe = rng.uniform(0, 4, (50, 6))
+    assert np.allclose(fit_mlp(x, y).predict(probe), np.clip(ref_mlp.predict(probe), 0, 1))
+    assert np.allclose(fit_forest(x, y).predict(probe), np.clip(ref_rf.predict(probe), 0, 1))
+
+
+def _cli(*args, timeout=300):
+    env = dict(os.environ, HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1")
+    return subprocess.run([sys.executable, "-m", "engine", *args], capture_output=True, text=True,
+                          env=env, cwd=ROOT, timeout=timeout)
+
+
+def test_cli_measure_trace_retrain_replay_profile(tiny_dirs, tmp_path):
+    target, draft = tiny_dirs
+    db = str(tmp_path / "lab.duckdb")
+    model = ["--target", str(target), "--draft", str(draft)]
+    steps = [
+        ["costs", *model, "--buckets", "8,32", "--reps", "2", "--db", db],
+        ["trace", *model, "--prompts", "bench", "--per-task", "2", "--max-new-tokens", "24", "--db", db],
+        ["trace", *model, "--prompts", "bench", "--per-task", "2", "--max-new-tokens", "24", "--db", db],  # resumes: nothing to do
+        ["retrain", "--source", "traces", "--db", db, "--json"],
+        ["whatif", "--db", db, "--policies", "ar,fixed:2,speckv,rakv", "--json"],
+        ["profile", *model, "--prompts", "bench", "--per-task", "1", "--policies", "ar,fixed:2,speckv,rakv",
+         "--max-new-tokens", "16", "--sweep", "s1", "--db", db, "--json"],
+    ]
+    outs = []
+    for args in steps:
+        proc = _cli(*args)
+        assert proc.returncode == 0, (args[0], proc.stderr[-2000:])
+        outs.append(proc)
+    assert "0 traces stored" in outs[2].stderr
+    report = json.loads(outs[3].stdout)
+    assert report["whatif_kind"] == "exact replay" and report["version"] == 1 and -1 <= report["test_corr"] <= 1
+    assert report["n_test"] > 0 and report["decision_ms_median"] > 0
+    whatif = {(r["policy"], r["task"]): r for r in json.loads(outs[4].stdout)}
+    assert whatif[("ar", "all")]["prompts"] == 8 and whatif[("speckv", "all")]["tokens_per_s"] > 0
+    table = json.loads(outs[5].stdout)["fp32"]
+    assert set(table["tokens_per_s"]) == {"ar", "fixed:2", "speckv", "rakv"} and table["prompts"] == 4
+    assert set(table["vs_peer"]) == {"speckv", "rakv"}
+    per_prompt = _cli("whatif", "--db", db, "--policies", "fixed:2", "--by", "prompt", "--json")
+    assert per_prompt.returncode == 0, per_prompt.stderr[-2000:]
+    rows = json.loads(per_prompt.stdout)
+    assert len([r for r in rows if r["prompt"] != "all"]) == 8 and all(r["prompts"] == 1 for r in rows if r["prompt"] != "all")
+    from store import Store
+
+    with Store(db, read_only=True) as st:
+        runs = st.runs(sweep="s1")
+        assert len(runs) == 16 and set(runs["source"]) == {"speclab"}
+        assert len(st.steps()) == sum(runs["n_steps"]) + 16  # every step (and each prefill) stored
+    assert _cli(*steps[5]).returncode == 0  # a finished sweep reruns nothing
+    with Store(db, read_only=True) as st:
+        assert len(st.runs(sweep="s1")) == 16
+    retrain_runs = _cli("retrain", "--source", "runs", "--db", db, "--json")
+    assert retrain_runs.returncode == 0, retrain_runs.stderr[-2000:]
+    assert json.loads(retrain_runs.stdout)["version"] == 2
+
+
+def test_sampling_traces_store_the_acceptance_probability(tiny_pair, tiny_dirs):
+    from engine.models import load_pair
+
+    t = trace(tiny_pair, "Hello there, how", "chat", 16, temperature=1.0)
+    probs = [r["accept_prob"] for r in t.positions]
+    assert all(0.0 <= a <= 1.0 + 1e-6 for a in probs) and min(probs) < 0.999  # a noisy draft loses some mass
+    itself = load_pair(str(tiny_dirs[0]), str(tiny_dirs[0]), target_tier="fp32", draft_tier="fp32", device="cpu")
+    same = trace(itself, "Hello there, how", "chat", 16, temperature=1.0)
+    assert all(abs(r["accept_prob"] - 1.0) < 1e-4 for r in same.positions)  # p == q: always accepted
+    assert all(r["accept_len"] == 8 or r["position"] + r["accept_len"] == len(same.row["token_ids"])
+               for r in same.positions)
+
+
+def test_retrain_on_the_speckv_file_reproduces_the_paper(tmp_path):
+    csv = ROOT / "engine" / "data" / "speckv-phase2" / "phase2_step_results.csv"
+    db = str(tmp_path / "sk.duckdb")
+    assert _cli("import-speckv", str(csv), "--db", db).returncode == 0
+    proc = _cli("retrain", "--db", db, "--source", "speckv", "--json")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    r = json.loads(proc.stdout)
+    # The paper's protocol (row split 80/20 stratified by compression × task, MLP(16) on its six
+    # features): test correlation 0.685, MSE 0.090; its forest 0.835.
+    assert (r["protocol"], r["n_train"], r["n_test"]) == ("paper", 4089, 1023)
+    assert abs(r["test_corr"] - 0.685) <= 0.03 and abs(r["test_mse"] - 0.090) <= 0.01
+    assert abs(r["rf_test_corr"] - 0.835) <= 0.03
+    assert r["whatif_kind"] == "predictor-scored" and r["whatif_gain_vs_fixed4"] > 0

@@ -1,0 +1,326 @@
+"""store/: traces, costs and controllers tables, the runs.source/sweep columns and the
+schema-2 migration; locked and read-only files refuse these writes in one line."""
+
+from __future__ import annotations
+
+import datetime as dt
+import io
+import json
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import duckdb
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+from test_store import Holder, hold, make_run, make_steps, records  # noqa: F401 (hold: fixture)
+
+from store import MIGRATIONS, SCHEMA_VERSION, Store, StoreError, pending_staged
+
+
+def make_trace(**over: Any) -> dict[str, Any]:
+    trace: dict[str, Any] = {
+        "target": "t", "draft": "d", "target_tier": "fp16", "draft_tier": "nf4", "device": "cpu",
+        "prompt": "Hello", "task": "chat", "chat": True, "max_new_tokens": 8, "k_max": 3,
+        "prompt_ids": [1, 2], "token_ids": [5, 6, 7, 8], "stop_reason": "length",
+        "config": {"seed": 0},
+    }
+    trace.update(over)
+    return trace
+
+
+def make_positions(n: int = 3) -> list[dict[str, Any]]:
+    # Deliberately out of order: trace_positions() must sort by position.
+    return [{"position": p, "accept_len": p % 4, "draft_ids": [10 + p, 11, 12],
+             "entropies": [0.5, 1.0, 0.25], "confidences": [0.75, 0.5, 0.9],
+             "accept_prob": None if p == 0 else 0.5 * p, "context_len": 2 + p}
+            for p in reversed(range(n))]
+
+
+def make_costs(buckets: tuple[int, ...] = (512, 128), draft_ms: float = 1.0,
+               **key: Any) -> list[dict[str, Any]]:
+    base = {"device": "cpu", "target": "t", "draft": "d", "target_tier": "fp16",
+            "draft_tier": None}
+    base.update(key)
+    return [dict(base, ctx_bucket=b, draft_ms=draft_ms, verify_ms=[draft_ms * (k + 2) for k in range(9)],
+                 reps=5) for b in buckets]
+
+
+# ----- traces -------------------------------------------------------------------------------
+def test_trace_round_trip_and_ordering() -> None:
+    with Store(":memory:") as st:
+        first = st.add_trace(make_trace(), make_positions(3))
+        second = st.add_trace(make_trace(trace_id="mine", task="code",
+                                         created_at=dt.datetime(2020, 1, 1)), make_positions(2))
+        assert len(first) == 32 and second == "mine"
+        traces = st.traces()
+        assert traces["trace_id"].tolist() == ["mine", first]  # oldest first
+        row = records(st.traces(trace_id=first))[0]
+        want = make_trace()
+        assert json.loads(row.pop("config")) == want.pop("config")
+        assert {k: row[k] for k in want} == want
+        assert str(traces["k_max"].dtype) == "Int32" and str(traces["chat"].dtype) == "boolean"
+        assert st.traces(task="code")["trace_id"].tolist() == ["mine"]
+
+        got = records(st.trace_positions(first))
+        want_pos = sorted(make_positions(3), key=lambda p: p["position"])
+        assert got == [dict(p, trace_id=first) for p in want_pos]
+        everything = st.trace_positions()
+        assert list(zip(everything["trace_id"], everything["position"])) == [
+            ("mine", 0), ("mine", 1), (first, 0), (first, 1), (first, 2)]
+        with pytest.raises(StoreError, match="unknown column 'tsk'"):
+            st.traces(tsk="code")
+
+
+@pytest.mark.parametrize(("trace", "positions", "pattern"), [
+    ({"colour": 1}, [], "unknown key 'colour'"),
+    ({}, [{"position": 0}, {"position": 0}], "repeated"),
+    ({}, [{"accept_len": 1}], "no 'position'"),
+    ({}, [{"position": 0, "trace_id": "other"}], "other"),
+    ({}, [{"position": 0, "accept_len": 1.5}], r"positions\[0\]\.accept_len"),
+    ({"config": "{bad"}, [], "trace.config .*not valid JSON"),
+])
+def test_bad_trace_raises_one_line_and_stores_nothing(trace: dict[str, Any], positions: list[Any],
+                                                      pattern: str) -> None:
+    with Store(":memory:") as st:
+        with pytest.raises(StoreError, match=pattern) as info:
+            st.add_trace(trace, positions)
+        assert "\n" not in str(info.value)
+        assert st.traces().empty and st.trace_positions().empty
+
+
+def test_duplicate_trace_id_rolls_back_its_positions() -> None:
+    with Store(":memory:") as st:
+        st.add_trace(make_trace(trace_id="x"), make_positions(2))
+        with pytest.raises(StoreError, match="trace x not stored"):
+            st.add_trace(make_trace(trace_id="x"), make_positions(5))
+        assert len(st.traces()) == 1 and len(st.trace_positions("x")) == 2
+
+
+# ----- costs --------------------------------------------------------------------------------
+def test_costs_returns_only_the_latest_batch_per_key(tmp_path: Path) -> None:
+    path = tmp_path / "c.duckdb"
+    with Store(path) as st:
+        old = st.add_costs(make_costs(draft_ms=1.0))
+        new = st.add_costs(make_costs(draft_ms=2.0))
+        gpu = st.add_costs(make_costs((64,), draft_ms=3.0, device="cuda"))
+        # Inserted last but measured earlier: "latest" is by created_at, not insertion.
+        st.add_costs([dict(r, created_at=dt.datetime(2000, 1, 1)) for r in make_costs(draft_ms=9.0)])
+        assert len({old, new, gpu}) == 3
+
+        df = st.costs()  # ordered by key (device first), then ctx_bucket
+        assert df["cost_id"].tolist() == [new, new, gpu]
+        assert df["ctx_bucket"].tolist() == [128, 512, 64]
+    with Store(path) as st:
+        cpu = st.costs(device="cpu")
+        assert cpu["cost_id"].tolist() == [new, new] and cpu["ctx_bucket"].tolist() == [128, 512]
+        assert cpu["draft_ms"].tolist() == [2.0, 2.0]
+        assert list(cpu.iloc[0]["verify_ms"]) == [2.0 * (k + 2) for k in range(9)]
+        assert str(cpu["reps"].dtype) == "Int32" and cpu["draft_tier"].isna().all()
+        assert st.costs(device="cuda", target="t")["draft_ms"].tolist() == [3.0]
+        assert st.costs(draft_tier="int8").empty
+    con = duckdb.connect(str(path), read_only=True)
+    try:  # older batches are kept, just not returned
+        assert con.execute("SELECT count(DISTINCT cost_id) FROM costs").fetchone() == (4,)
+    finally:
+        con.close()
+
+
+def test_costs_are_ordered_by_key_not_insertion() -> None:
+    with Store(":memory:") as st:
+        a = st.add_costs(make_costs((256,), device="cuda"))
+        b = st.add_costs(make_costs((256,), device="cpu"))
+        assert st.costs()["cost_id"].tolist() == [b, a]  # ordered by key, then ctx_bucket
+
+
+@pytest.mark.parametrize(("rows", "pattern"), [
+    ([], "at least one row"),
+    (make_costs((1, 1)), "repeated"),
+    ([{"device": "cpu", "draft_ms": 1.0}], "no 'ctx_bucket'"),
+    (make_costs((1,)) + make_costs((2,), device="cuda"), "different"),
+    ([dict(r, cost_id=f"c{i}") for i, r in enumerate(make_costs())], "different cost_ids"),
+    ([dict(r, verify_ms=["fast"]) for r in make_costs()], r"verify_ms"),
+])
+def test_bad_costs_raise_one_line(rows: list[Any], pattern: str) -> None:
+    with Store(":memory:") as st:
+        with pytest.raises(StoreError, match=pattern) as info:
+            st.add_costs(rows)
+        assert "\n" not in str(info.value) and st.costs().empty
+
+
+# ----- controllers --------------------------------------------------------------------------
+def params(seed: int) -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(seed)
+    return {"w1": rng.standard_normal((4, 3)).astype(np.float32), "b1": np.arange(3, dtype=np.int64),
+            "mask": np.array([True, False])}
+
+
+def assert_params_equal(got: dict[str, np.ndarray], want: dict[str, np.ndarray]) -> None:
+    assert sorted(got) == sorted(want)
+    for name, value in want.items():
+        assert got[name].dtype == value.dtype and got[name].shape == value.shape
+        np.testing.assert_array_equal(got[name], value)
+
+
+def test_controller_versions_and_activation() -> None:
+    with Store(":memory:") as st:
+        with pytest.raises(StoreError, match=r"no controller 'speckv' in :memory:; run `python -m engine"
+                                             r" retrain` first"):
+            st.controller("speckv")
+        assert st.add_controller("speckv", params(1), {"v": 1}, "test") == 1
+        assert st.add_controller("speckv", params(2), {"v": 2}, "test") == 2
+        assert st.add_controller("speckv", params(3), {"v": 3}, "test", activate=False) == 3
+        assert st.add_controller("speckv-rf", params(9), {"v": 9}, "other") == 1
+
+        got, meta = st.controller("speckv")  # the active one, not the latest
+        assert meta == {"v": 2}
+        assert_params_equal(got, params(2))
+        assert st.controller("speckv", 3)[1] == {"v": 3} and st.controller("speckv", 1)[1] == {"v": 1}
+        with pytest.raises(StoreError, match=r"version 7 .*\(versions: 1, 2, 3\)"):
+            st.controller("speckv", 7)
+
+        listing = st.controllers()
+        assert list(listing.columns) == ["name", "version", "created_at", "source", "active", "meta"]
+        assert list(zip(listing["name"], listing["version"], listing["active"])) == [
+            ("speckv", 1, False), ("speckv", 2, True), ("speckv", 3, False), ("speckv-rf", 1, True)]
+        assert json.loads(listing["meta"].iloc[3]) == {"v": 9}
+
+        st.add_controller("speckv", params(4), {"v": 4}, "test")
+        assert st.controllers()["active"].tolist() == [False, False, False, True, True]
+        assert st.controller("speckv")[1] == {"v": 4}
+
+
+def test_controller_without_active_version_gives_the_latest() -> None:
+    with Store(":memory:") as st:
+        st.add_controller("c", params(1), {"v": 1}, "s", activate=False)
+        st.add_controller("c", params(2), {"v": 2}, "s", activate=False)
+        assert st.controller("c")[1] == {"v": 2}
+        assert not st.controllers()["active"].any()
+
+
+def test_controller_params_are_npz_and_never_unpickled(tmp_path: Path) -> None:
+    path = tmp_path / "c.duckdb"
+    with Store(path) as st:
+        st.add_controller("c", params(5), {"features": ["entropy"]}, "s")
+        with pytest.raises(StoreError, match="without pickle") as info:
+            st.add_controller("c", {"bad": np.array([{"a": 1}], dtype=object)}, {}, "s")
+        assert "\n" not in str(info.value)
+        with pytest.raises(StoreError, match="cannot name an array"):
+            st.add_controller("c", {"file": np.zeros(1)}, {}, "s")
+        assert st.controllers()["version"].tolist() == [1]
+    con = duckdb.connect(str(path))
+    try:
+        blob = con.execute("SELECT params FROM controllers").fetchone()[0]
+        with np.load(io.BytesIO(blob), allow_pickle=False) as npz:  # a plain .npz archive
+            assert sorted(npz.files) == ["b1", "mask", "w1"]
+        # A blob that needs pickle (written by someone else) must be refused, not loaded.
+        evil = io.BytesIO()
+        np.savez(evil, x=np.array([{"run": "code"}], dtype=object), allow_pickle=True)
+        con.execute("INSERT INTO controllers VALUES ('c', 2, now(), 's', ?, '{}', true)",
+                    [evil.getvalue()])
+        con.execute("UPDATE controllers SET active = false WHERE version = 1")
+    finally:
+        con.close()
+    with Store(path) as st:
+        assert_params_equal(st.controller("c", 1)[0], params(5))
+        with pytest.raises(StoreError, match="controller 'c' version 2 .*unreadable params") as info:
+            st.controller("c")
+        assert "\n" not in str(info.value)
+
+
+# ----- runs.source / runs.sweep and bulk runs ------------------------------------------------
+def test_runs_source_defaults_to_speclab_and_filters() -> None:
+    with Store(":memory:") as st:
+        ours = st.add_run(make_run())
+        theirs = st.add_run(make_run(source="speckv", sweep="sw1"))
+        assert st.run(ours)["source"] == "speclab" and st.run(ours)["sweep"] is None
+        assert st.runs(source="speckv")["run_id"].tolist() == [theirs]
+        assert st.runs(sweep="sw1")["run_id"].tolist() == [theirs]
+        assert st.runs(sweep=None)["run_id"].tolist() == [ours]
+
+
+def test_add_runs_is_one_transaction_and_skips_existing() -> None:
+    with Store(":memory:") as st:
+        st.add_run(make_run(run_id="a"), make_steps(2))
+        batch = [(make_run(run_id="b"), make_steps(3)), (make_run(run_id="a"), make_steps(2))]
+        with pytest.raises(StoreError, match="not stored"):
+            st.add_runs(batch)  # 'a' collides: 'b' must not be stored either
+        assert st.runs()["run_id"].tolist() == ["a"] and len(st.steps()) == 2
+        assert st.add_runs(batch, skip_existing=True) == ["b"]
+        assert sorted(st.runs()["run_id"]) == ["a", "b"] and len(st.steps("b")) == 3
+        assert st.add_runs(batch, skip_existing=True) == []
+
+
+# ----- read-only and locked files ------------------------------------------------------------
+WRITES: list[tuple[str, Callable[[Store], Any]]] = [
+    ("trace", lambda st: st.add_trace(make_trace(), make_positions(2))),
+    ("costs", lambda st: st.add_costs(make_costs())),
+    ("controller", lambda st: st.add_controller("c", params(1), {}, "s")),
+    ("runs", lambda st: st.add_runs([(make_run(), make_steps(1))])),
+]
+
+
+@pytest.mark.parametrize(("what", "write"), WRITES)
+def test_read_only_store_refuses_new_tables(tmp_path: Path, what: str,
+                                            write: Callable[[Store], Any]) -> None:
+    path = tmp_path / "ro.duckdb"
+    Store(path).close()
+    with Store(path, read_only=True) as ro:
+        with pytest.raises(StoreError, match=f"open read-only; cannot add .*{what}") as info:
+            write(ro)
+        assert "\n" not in str(info.value)
+
+
+def test_locked_file_refuses_new_tables_in_one_line(tmp_path: Path,
+                                                   hold: Callable[..., Holder]) -> None:  # noqa: F811
+    path = tmp_path / "locked.duckdb"
+    Store(path).close()
+    holder = hold(path)
+    with Store(path, wait_s=0.0) as st:
+        assert st.staged
+        for what, write in WRITES:
+            with pytest.raises(StoreError) as info:
+                write(st)
+            msg = str(info.value)
+            assert f"locked by another process (pid {holder.proc.pid})" in msg, what
+            assert "retry" in msg and what in msg and "\n" not in msg
+    holder.release()
+    assert pending_staged(str(path)) == []  # nothing staged silently
+    with Store(path) as st:
+        assert st.traces().empty and st.costs().empty and st.controllers().empty
+        assert st.runs().empty
+
+
+# ----- migration from schema 1 ---------------------------------------------------------------
+def test_version_1_file_migrates_and_keeps_its_runs(tmp_path: Path) -> None:
+    path = tmp_path / "v1.duckdb"
+    con = duckdb.connect(str(path))
+    con.execute("CREATE TABLE meta (schema_version INTEGER NOT NULL)")
+    con.execute(MIGRATIONS[0])
+    con.execute("INSERT INTO meta VALUES (1)")
+    con.execute("INSERT INTO runs (run_id, policy, token_ids) VALUES ('old', 'fixed:4', [1, 2])")
+    con.execute("INSERT INTO steps (run_id, step, accepted) VALUES ('old', 0, 0)")
+    con.close()
+    # A run staged by the old code (no source column) waits in the staging folder.
+    staging = Path(f"{path}.staging")
+    staging.mkdir()
+    pq.write_table(pa.table({"run_id": ["staged"], "policy": ["fixed:2"]}),
+                   staging / "staged.run.parquet")
+
+    with Store(path) as st:
+        assert st.ingested == ["staged"]
+        old = st.run("old")
+        assert old["policy"] == "fixed:4" and old["token_ids"] == [1, 2]
+        assert old["source"] == "speclab" and old["sweep"] is None
+        assert st.run("staged")["source"] == "speclab"
+        assert records(st.steps("old"))[0]["accepted"] == 0
+        assert st.traces().empty and st.costs().empty and st.controllers().empty
+        st.add_trace(make_trace(), make_positions(1))
+    con = duckdb.connect(str(path), read_only=True)
+    try:
+        assert con.execute("SELECT schema_version FROM meta").fetchall() == [(SCHEMA_VERSION,)]
+        assert SCHEMA_VERSION == 2
+    finally:
+        con.close()
