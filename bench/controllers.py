@@ -5,8 +5,9 @@
                (and its published 0.336 ms); the MLP is trained on the SpecKV file
     live       per target tier, on held-out prompts never trained on: `ar`, `fixed:k`, `speckv`
                and `rakv` end to end (wall clock, same run, policies interleaved per prompt);
-               `speckv` is first retrained from acceptance traces of *training* prompts, and
-               each adaptive policy is reported against max(ar, best fixed γ) of its tier
+               `speckv` is first retrained from acceptance traces of other held-out prompts (the
+               draft never saw either half), and each adaptive policy is reported against
+               max(ar, best fixed γ) of its tier
 
 Run: python bench/controllers.py decision|live [--json]   or   python -m engine bench controllers …"""
 from __future__ import annotations
@@ -66,6 +67,18 @@ def decision(csv: Path, n: int = 5000) -> dict:
                 paper_decision_ms=PAPER_DECISION_MS, vs_paper=ms / PAPER_DECISION_MS, decisions=n)
 
 
+def split_heldout(prompts: list[tuple[str, str]], n_train: int, n_eval: int) -> tuple[list, list]:
+    """The controller must learn from prompts the draft never saw (on its own training prompts
+    the draft is far more often right, and a controller trained there over-speculates), and be
+    judged on others: per task, held-out prompts alternate between its traces and the live test."""
+    by_task: dict[str, list[str]] = {}
+    for task, prompt in prompts:
+        by_task.setdefault(task, []).append(prompt)
+    train = [(t, p) for t, ps in by_task.items() for p in ps[0::2][:n_train]]
+    test = [(t, p) for t, ps in by_task.items() for p in ps[1::2][:n_eval]]
+    return train, test
+
+
 def live(a: argparse.Namespace) -> dict:
     from engine import prompts as P
     from engine.lab import cost_table, policy_context, retrain, sweep_table
@@ -76,8 +89,7 @@ def live(a: argparse.Namespace) -> dict:
     db = a.db or str(Path(tempfile.mkdtemp(prefix="speclab-bench-")) / "controllers.duckdb")
     tiers = a.tiers.split(",")
     policies = ["ar"] + [f"fixed:{k}" for k in a.ks.split(",")] + ["speckv", "rakv"]
-    train_prompts = P.training_prompts(a.train_per_task, seed=1)
-    held = P.heldout(a.per_task)
+    train_prompts, held = split_heldout(P.heldout(), a.train_per_task, a.per_task)
     sweep = f"bench-{int(time.time())}"
     with Store(db) as st:
         for tier in tiers:  # costs and traces of training prompts, per tier
@@ -88,7 +100,7 @@ def live(a: argparse.Namespace) -> dict:
                 if prompt not in have:
                     tr = trace(pair, prompt, task, a.max_new_tokens)
                     st.add_trace(tr.row, tr.positions)
-            print(f"{tier}: costs and {len(train_prompts)} training traces ready", file=sys.stderr)
+            print(f"{tier}: costs and {len(train_prompts)} traces for the controller ready", file=sys.stderr)
             del pair
         report = retrain(st, "traces", "prompt")
         print(f"speckv v{report.version}: test corr {report.test_corr:.3f}, replay gain vs fixed:4 "
@@ -116,8 +128,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--device", default=None)
     p.add_argument("--tiers", default="fp32,bf16")
     p.add_argument("--ks", default="1,2,3,4,6")
-    p.add_argument("--per-task", type=int, default=2, help="held-out prompts per task (live)")
-    p.add_argument("--train-per-task", type=int, default=4, help="training prompts traced per task (live)")
+    p.add_argument("--per-task", type=int, default=2, help="held-out prompts per task run live (odd ones)")
+    p.add_argument("--train-per-task", type=int, default=4, help="held-out prompts per task traced to train speckv (even ones)")
     p.add_argument("--max-new-tokens", type=int, default=96)
     p.add_argument("--db", default=None, help="keep the live data in this DuckDB file (default: a temp file)")
     p.add_argument("--json", action="store_true")
