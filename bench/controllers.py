@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
 import tempfile
 import time
@@ -34,7 +33,7 @@ def decision(csv: Path, n: int = 5000) -> dict:
     from engine.controllers import PAPER_CANDIDATES, feature_rows
     from engine.policies.speckv import SpeckvPolicy
     from engine.records import DecodeState
-    from engine.training import fit_mlp, from_speckv_steps
+    from engine.training import fit_mlp, from_speckv_steps, median_ms
     from store import Store
     from store.speckv import import_speckv
 
@@ -52,14 +51,6 @@ def decision(csv: Path, n: int = 5000) -> dict:
             e = float(np.clip(ref.predict(feature_rows(sig, "int8", (g,)))[0], 0, 1)) * g + 1
             best, val = (g, e) if e > val else (best, val)
         return best
-
-    def median_ms(fn, reps: int) -> float:
-        times = []
-        for _ in range(reps):
-            t0 = time.perf_counter()
-            fn()
-            times.append((time.perf_counter() - t0) * 1e3)
-        return statistics.median(times[reps // 10:])
 
     ms = median_ms(lambda: ours.choose(state), n)
     sk = median_ms(sklearn_decision, max(200, n // 10))
@@ -95,7 +86,7 @@ def live(a: argparse.Namespace) -> dict:
         for tier in tiers:  # costs and traces of training prompts, per tier
             pair = load_pair(a.target, a.draft, tier, a.draft_tier, a.device)
             cost_table(st, pair)
-            have = set(st.traces(target_tier=tier)["prompt"]) if len(st.traces(target_tier=tier)) else set()
+            have = set(st.traces(target_tier=tier)["prompt"])
             for task, prompt in train_prompts:
                 if prompt not in have:
                     tr = trace(pair, prompt, task, a.max_new_tokens)

@@ -110,10 +110,9 @@ def cmd_divergence(a: argparse.Namespace) -> int:
     from engine.policies import make_policy
     from engine.prompts import bench_prompts
 
-    tiers = [t.strip() for t in a.tiers.split(",") if t.strip()]
-    bad = [t for t in tiers if t not in TIERS]
-    if bad:
-        raise ValueError(f"unknown tier(s) {', '.join(bad)}; known: {', '.join(TIERS)}")
+    from engine.lab import parse_tiers
+
+    tiers = parse_tiers(a.tiers)
     make_policy(a.policy)
     prompts = [p for _, p in bench_prompts(a.prompts_per_task)]
     results = []

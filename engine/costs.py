@@ -16,6 +16,7 @@ from typing import Callable
 from engine.records import K_MAX
 
 CONTEXT_BUCKETS = (64, 256, 512)  # context lengths measured; a step uses the nearest one below
+REPS = 12  # timed forwards per point: medians steady to ~2% here
 WARMUP = 3  # forwards discarded before timing: first calls allocate and pick kernels
 
 
@@ -57,7 +58,7 @@ class CostTable:
                 for b, d, v in zip(self.buckets, self.draft_ms, self.verify_ms)]
 
 
-def measure(pair, buckets: tuple[int, ...] = CONTEXT_BUCKETS, reps: int = 12,
+def measure(pair, buckets: tuple[int, ...] = CONTEXT_BUCKETS, reps: int = REPS,
             progress: Callable[[str], None] = lambda m: None) -> CostTable:
     """Times the engine's own calls (draft forward + its signals; verify forward under the
     pair's batch-invariant mode) on a cache holding `bucket` tokens; medians after warm-up."""

@@ -29,13 +29,13 @@ def _prompts(which: str, per_task: int | None) -> list[tuple[str, str]]:
     return sets[which]()
 
 
-def _tiers(text: str) -> list[str]:
+def parse_tiers(text: str) -> list[str]:
     from engine.models import TIERS
 
     tiers = _csv(text)
     bad = [t for t in tiers if t not in TIERS]
     if bad or not tiers:
-        raise ValueError(f"unknown target tier(s) {', '.join(bad) or '(none)'}; known: {', '.join(TIERS)}")
+        raise ValueError(f"unknown tier(s) {', '.join(bad) or '(none)'}; known: {', '.join(TIERS)}")
     return tiers
 
 
@@ -54,17 +54,24 @@ def _db_arg(p: argparse.ArgumentParser) -> None:
     p.add_argument("--db", default=os.environ.get("SPECLAB_DB", DEFAULT_DB), help=f"DuckDB file (default {DEFAULT_DB})")
 
 
+def _stored_costs(store, key: tuple):
+    """The newest cost table stored for (device, target, draft, target_tier, draft_tier), or None."""
+    from engine.costs import CostTable
+
+    rows = store.costs(*key).to_dict("records")
+    return CostTable.from_rows(rows) if rows else None
+
+
 def cost_table(store, pair):
     """The newest stored cost table for this pair and tier; measured (and stored) when absent."""
-    from engine.costs import CostTable, measure
+    from engine.costs import REPS, measure
 
-    df = store.costs(device=str(pair.device), target=pair.target_name, draft=pair.draft_name,
-                     target_tier=pair.target_tier, draft_tier=pair.draft_tier)
-    if len(df):
-        return CostTable.from_rows(df.to_dict("records"))
-    print(f"measuring costs for {pair.target_name} at {pair.target_tier} (once; stored)…", file=sys.stderr)
-    table = measure(pair)
-    store.add_costs(table.to_rows(12))
+    key = (str(pair.device), pair.target_name, pair.draft_name, pair.target_tier, pair.draft_tier)
+    table = _stored_costs(store, key)
+    if table is None:
+        print(f"measuring costs for {pair.target_name} at {pair.target_tier} (once; stored)…", file=sys.stderr)
+        table = measure(pair)
+        store.add_costs(table.to_rows(REPS))
     return table
 
 
@@ -89,11 +96,13 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
 
 # -- costs -----------------------------------------------------------------------------------------
 def _add_costs(sub) -> None:
+    from engine.costs import REPS
+
     p = sub.add_parser("costs", help="measure draft/verify costs per tier and context (stored)")
     add_model_args(p)
     p.add_argument("--tiers", default="fp32", help="comma-separated target tiers")
     p.add_argument("--buckets", default="64,256,512", help="context lengths to measure at")
-    p.add_argument("--reps", type=int, default=12, help="timed repetitions per point (after warm-up)")
+    p.add_argument("--reps", type=int, default=REPS, help="timed repetitions per point (after warm-up)")
     _db_arg(p)
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_costs)
@@ -103,7 +112,7 @@ def cmd_costs(a: argparse.Namespace) -> int:
     from engine.costs import measure
     from store import Store
 
-    tiers = _tiers(a.tiers)
+    tiers = parse_tiers(a.tiers)
     try:
         buckets = tuple(int(b) for b in _csv(a.buckets))
     except ValueError:
@@ -146,7 +155,7 @@ def cmd_trace(a: argparse.Namespace) -> int:
     from engine.profiling import trace
     from store import Store
 
-    tiers, prompts = _tiers(a.tiers), _prompts(a.prompts, a.per_task)
+    tiers, prompts = parse_tiers(a.tiers), _prompts(a.prompts, a.per_task)
     if a.max_new_tokens < 2:
         raise ValueError("--max-new-tokens must be ≥ 2 for a trace to have a position")
     made = 0
@@ -181,7 +190,6 @@ def _add_whatif(sub) -> None:
 def replay_all(store, policies: list, tiers: list[str] | None = None, trace_ids: set | None = None) -> list:
     """Every policy (a spec string, or a function of the PolicyContext) over every stored trace
     (optionally some tiers/traces), with the cost table of the trace's pair and tier."""
-    from engine.costs import CostTable
     from engine.policies import PolicyContext, make_policy
     from engine.whatif import replay
 
@@ -198,9 +206,7 @@ def replay_all(store, policies: list, tiers: list[str] | None = None, trace_ids:
     for t in traces.to_dict("records"):
         key = (t["device"], t["target"], t["draft"], t["target_tier"], t["draft_tier"])
         if key not in contexts:
-            rows = store.costs(*key).to_dict("records")
-            contexts[key] = PolicyContext(costs=CostTable.from_rows(rows) if rows else None,
-                                          controller=_controller_loader(store))
+            contexts[key] = PolicyContext(costs=_stored_costs(store, key), controller=_controller_loader(store))
         ctx = contexts[key]
         for spec in policies:
             policy = make_policy(spec, ctx) if isinstance(spec, str) else spec(ctx)
@@ -246,7 +252,7 @@ def cmd_whatif(a: argparse.Namespace) -> int:
     from store import Store
 
     with Store(a.db, read_only=True) as st:
-        rows = summarize(replay_all(st, _csv(a.policies), _tiers(a.tiers) if a.tiers else None), by=a.by)
+        rows = summarize(replay_all(st, _csv(a.policies), parse_tiers(a.tiers) if a.tiers else None), by=a.by)
     if a.json:
         print(json.dumps(rows))
         return 0
@@ -375,7 +381,7 @@ def cmd_profile(a: argparse.Namespace) -> int:
     from engine.profiling import pending, run_job, sweep_jobs
     from store import Store
 
-    tiers, prompts, policies = _tiers(a.tiers), _prompts(a.prompts, a.per_task), _csv(a.policies)
+    tiers, prompts, policies = parse_tiers(a.tiers), _prompts(a.prompts, a.per_task), _csv(a.policies)
     for spec in policies:
         parse_policy(spec)  # a typo fails before any model loads
     jobs = sweep_jobs(prompts, tiers, policies)

@@ -181,12 +181,17 @@ def decision_ms(pred: Predictor, costs=None, n: int = 2000) -> float:
 
     policy = SpeckvPolicy(pred, costs, objective="tps" if costs else "paper")
     state = DecodeState(step=1, position=1, context_len=64, remaining=100, target_tier="fp32", kv_tier="native")
+    return median_ms(lambda: policy.choose(state), n)
+
+
+def median_ms(fn, reps: int) -> float:
+    """Median wall time of `fn()` in ms over `reps` calls, the first tenth discarded (warm-up)."""
     times = []
-    for _ in range(n):
+    for _ in range(reps):
         t0 = time.perf_counter()
-        policy.choose(state)
+        fn()
         times.append((time.perf_counter() - t0) * 1e3)
-    return statistics.median(times[n // 10:])
+    return statistics.median(times[reps // 10:])
 
 
 @dataclass
