@@ -6,8 +6,9 @@
     live       per target tier, on held-out prompts never trained on: `ar`, `fixed:k`, `speckv`
                and `rakv` end to end (wall clock, same run, policies interleaved per prompt);
                `speckv` is first retrained from acceptance traces of other held-out prompts (the
-               draft never saw either half), and each adaptive policy is reported against
-               max(ar, best fixed γ) of its tier
+               draft never saw either half), the cost table is calibrated against live
+               `ar`/`fixed:1,2,4` steps on those same training prompts, and each adaptive
+               policy is reported against max(ar, best fixed γ) of its tier
 
 Run: python bench/controllers.py decision|live [--json]   or   python -m engine bench controllers …"""
 from __future__ import annotations
@@ -24,6 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import numpy as np  # noqa: E402
 
 PAPER_DECISION_MS = 0.336
+CALIBRATION_POLICIES = ("ar", "fixed:1", "fixed:2", "fixed:4")
 SPECKV_CSV = Path(__file__).resolve().parents[1] / "engine" / "data" / "speckv-phase2" / "phase2_step_results.csv"
 
 
@@ -72,7 +74,7 @@ def split_heldout(prompts: list[tuple[str, str]], n_train: int, n_eval: int) -> 
 
 def live(a: argparse.Namespace) -> dict:
     from engine import prompts as P
-    from engine.lab import cost_table, policy_context, retrain, sweep_table
+    from engine.lab import calibrate_costs, cost_key, cost_table, policy_context, retrain, sweep_table
     from engine.models import load_pair
     from engine.profiling import Job, run_job, trace
     from store import Store
@@ -83,7 +85,8 @@ def live(a: argparse.Namespace) -> dict:
     train_prompts, held = split_heldout(P.heldout(), a.train_per_task, a.per_task)
     sweep = f"bench-{int(time.time())}"
     with Store(db) as st:
-        for tier in tiers:  # costs and traces of training prompts, per tier
+        factors = {}
+        for tier in tiers:  # per tier, on the training prompts: costs, traces, calibration runs
             pair = load_pair(a.target, a.draft, tier, a.draft_tier, a.device)
             cost_table(st, pair)
             have = set(st.traces(target_tier=tier)["prompt"])
@@ -91,7 +94,12 @@ def live(a: argparse.Namespace) -> dict:
                 if prompt not in have:
                     tr = trace(pair, prompt, task, a.max_new_tokens)
                     st.add_trace(tr.row, tr.positions)
-            print(f"{tier}: costs and {len(train_prompts)} traces for the controller ready", file=sys.stderr)
+                for pol in CALIBRATION_POLICIES:  # live steps the costs are calibrated with (not judged)
+                    row, steps = run_job(pair, Job(tier, task, prompt, pol), None, a.max_new_tokens)
+                    st.add_run(dict(row, sweep=f"{sweep}-calibration"), steps)
+            factors[tier] = calibrate_costs(st, cost_key(pair)).step_factor
+            print(f"{tier}: {len(train_prompts)} traces for the controller; live / measured step time k=0..8: "
+                  + " ".join(f"{f:.2f}" for f in factors[tier]), file=sys.stderr)
             del pair
         report = retrain(st, "traces", "prompt")
         print(f"speckv v{report.version}: test corr {report.test_corr:.3f}, replay gain vs fixed:4 "
@@ -106,7 +114,7 @@ def live(a: argparse.Namespace) -> dict:
             print(f"{tier}: {len(held)} held-out prompts × {len(policies)} policies done", file=sys.stderr)
             del pair
         table = sweep_table(st.runs(sweep=sweep))
-    return dict(db=db, sweep=sweep, controller=report.to_dict(), tiers=table)
+    return dict(db=db, sweep=sweep, controller=report.to_dict(), step_factor=factors, tiers=table)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -2,6 +2,8 @@
 
     agreement            teacher-forced greedy agreement with the target on its own responses
     mean_accepted_at_4   drafted tokens accepted per step, live `fixed:4`
+    tokens_per_step_at_4 the same steps counted as EAGLE/Medusa papers count "acceptance length"
+                         (τ): accepted drafted tokens plus the target's own token
     draft_cost_ratio     draft forward per token / target forward per token (same context)
     fixed:k vs ar        end-to-end tokens/s of fixed:1..6 against plain decoding
 
@@ -57,12 +59,14 @@ def per_token_ms(model, ids: list[int], device: torch.device, n: int = 24) -> fl
 
 def measure(pair: ModelPair, per_task: int, max_new: int, ks: list[int]) -> dict:
     prompts = heldout()
-    hits = total = 0
-    for _, p in prompts:  # agreement on every held-out prompt: cheap, one forward each
+    by_task: dict[str, list[int]] = {}  # task -> [hits, positions]
+    for task, p in prompts:  # agreement on every held-out prompt: cheap, one forward each
         ids = encode_prompt(pair.tokenizer, p, chat=True)
         resp = Generation(pair, ids, make_policy("ar"), GenConfig(max_new_tokens=max_new)).run().token_ids
         h, n = agreement(pair, ids, resp)
-        hits, total = hits + h, total + n
+        tally = by_task.setdefault(task, [0, 0])
+        tally[0], tally[1] = tally[0] + h, tally[1] + n
+    hits, total = (sum(col) for col in zip(*by_task.values()))
     timed = [encode_prompt(pair.tokenizer, p, chat=True) for _, p in heldout(per_task)]
     ctx = timed[0] * 2  # a mid-length context for the cost probe
     draft_ms = per_token_ms(pair.draft, ctx, pair.device)
@@ -70,7 +74,7 @@ def measure(pair: ModelPair, per_task: int, max_new: int, ks: list[int]) -> dict
     policies = ["ar"] + [f"fixed:{k}" for k in ks]
     tokens = dict.fromkeys(policies, 0)
     seconds = dict.fromkeys(policies, 0.0)
-    accepted = []
+    accepted, emitted = [], []
     Generation(pair, timed[0], make_policy("fixed:4"), GenConfig(max_new_tokens=8)).run()  # warm-up
     for i, ids in enumerate(timed):
         shift = i % len(policies)  # rotate the order: no policy always runs first
@@ -80,11 +84,14 @@ def measure(pair: ModelPair, per_task: int, max_new: int, ks: list[int]) -> dict
             seconds[pol] += g.summary.wall_ms / 1e3
             if pol == "fixed:4":
                 accepted += [r.accepted for r in g.records[1:] if r.k_drafted]
+                emitted += [r.emitted for r in g.records[1:] if r.k_drafted]
     tok_s = {p: tokens[p] / seconds[p] for p in policies}
     best = max((p for p in policies if p != "ar"), key=tok_s.get)
     return dict(
         agreement=hits / max(total, 1), agreement_positions=total,
+        agreement_by_task={t: h / max(n, 1) for t, (h, n) in by_task.items()},
         mean_accepted_at_4=sum(accepted) / max(len(accepted), 1),
+        tokens_per_step_at_4=sum(emitted) / max(len(emitted), 1),
         draft_ms=draft_ms, target_ms=target_ms, draft_cost_ratio=draft_ms / target_ms,
         tok_s=tok_s, best_fixed_k=int(best.split(":")[1]), best_fixed_vs_ar=tok_s[best] / tok_s["ar"],
         fixed_vs_ar={p: tok_s[p] / tok_s["ar"] for p in policies if p != "ar"},
@@ -111,8 +118,10 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(res))
         return 0
     print(f"{pair.target_name} ({pair.target_tier}) + {pair.draft_name} ({pair.draft_tier}) on {pair.device}")
-    print(f"  agreement {res['agreement']:.3f} over {res['agreement_positions']} held-out positions")
-    print(f"  mean accepted at γ=4 {res['mean_accepted_at_4']:.2f}")
+    print(f"  agreement {res['agreement']:.3f} over {res['agreement_positions']} held-out positions ("
+          + ", ".join(f"{t} {a:.3f}" for t, a in res["agreement_by_task"].items()) + ")")
+    print(f"  mean accepted at γ=4 {res['mean_accepted_at_4']:.2f} drafted tokens per step "
+          f"({res['tokens_per_step_at_4']:.2f} tokens per step with the target's own, τ)")
     print(f"  draft {res['draft_ms']:.2f} ms/token vs target {res['target_ms']:.2f}: ratio {res['draft_cost_ratio']:.3f}")
     for pol, r in res["fixed_vs_ar"].items():
         print(f"  {pol:8} {res['tok_s'][pol]:6.2f} tok/s  vs ar {res['tok_s']['ar']:6.2f}: {r:.3f}")

@@ -8,16 +8,19 @@ from __future__ import annotations
 
 import bisect
 import contextlib
+import math
 import statistics
 import time
-from dataclasses import dataclass, field
-from typing import Callable
+from collections import defaultdict
+from dataclasses import dataclass, field, replace
+from typing import Callable, Iterable
 
 from engine.records import K_MAX
 
 CONTEXT_BUCKETS = (64, 256, 512)  # context lengths measured; a step uses the nearest one below
 REPS = 12  # timed forwards per point: medians steady to ~2% here
 WARMUP = 3  # forwards discarded before timing: first calls allocate and pick kernels
+CALIBRATE_MIN = 12  # live steps of one draft length before their median ratio is trusted
 
 
 @dataclass
@@ -29,19 +32,24 @@ class CostTable:
     draft_ms: list[float]
     verify_ms: list[list[float]]
     key: dict = field(default_factory=dict)  # device, target, draft, target_tier, draft_tier
+    # Live step time / this table's, per k (see `calibrate`); None: the bare forwards as measured.
+    step_factor: list[float] | None = None
 
     def __post_init__(self) -> None:
         assert self.buckets == sorted(self.buckets) and self.buckets, self.buckets
         assert len(self.draft_ms) == len(self.verify_ms) == len(self.buckets)
         assert all(len(v) == K_MAX + 1 for v in self.verify_ms), "verify costs need k = 0..8"
+        assert self.step_factor is None or len(self.step_factor) == K_MAX + 1, self.step_factor
 
-    def _bucket(self, context_len: int) -> int:
+    def bucket_of(self, context_len: int) -> int:
+        """Index of the measured context at or below `context_len` (costs are flat within one)."""
         return max(0, bisect.bisect_right(self.buckets, context_len) - 1)
 
     def step_ms(self, k: int, context_len: int) -> float:
         """One decode step drafting k tokens: k draft forwards and one verify over k + 1."""
-        b = self._bucket(context_len)
-        return k * self.draft_ms[b] + self.verify_ms[b][k]
+        b = self.bucket_of(context_len)
+        ms = k * self.draft_ms[b] + self.verify_ms[b][k]
+        return ms * self.step_factor[k] if self.step_factor else ms
 
     @classmethod
     def from_rows(cls, rows: list[dict]) -> "CostTable":
@@ -50,12 +58,37 @@ class CostTable:
             raise ValueError("no cost rows: run `python -m engine costs` for this pair and tier first")
         rows = sorted(rows, key=lambda r: r["ctx_bucket"])
         key = {k: rows[0][k] for k in ("device", "target", "draft", "target_tier", "draft_tier")}
+        factor = rows[0].get("step_factor")
+        has_factor = factor is not None and not (isinstance(factor, float) and math.isnan(factor))
         return cls([int(r["ctx_bucket"]) for r in rows], [float(r["draft_ms"]) for r in rows],
-                   [[float(x) for x in r["verify_ms"]] for r in rows], key)
+                   [[float(x) for x in r["verify_ms"]] for r in rows], key,
+                   [float(x) for x in factor] if has_factor else None)
 
     def to_rows(self, reps: int) -> list[dict]:
-        return [dict(self.key, ctx_bucket=b, draft_ms=d, verify_ms=v, reps=reps)
+        return [dict(self.key, ctx_bucket=b, draft_ms=d, verify_ms=v, reps=reps, step_factor=self.step_factor)
                 for b, d, v in zip(self.buckets, self.draft_ms, self.verify_ms)]
+
+
+def calibrate(table: CostTable, live: Iterable[tuple[int, int, float]]) -> CostTable:
+    """`table` scaled to what the engine's own decode steps took. `live` holds (k drafted,
+    context length, draft + verify ms) of stored steps; per k the factor is the median of live /
+    measured. A live step pays what the bare forwards do not: the draft's catch-up read of the
+    tokens emitted since it last drafted, the accept loop, cache crops, and more so for short
+    steps: controllers that weigh the bare forwards speculate where it does not pay
+    (`bench controllers live` prints the factors). A k with fewer than CALIBRATE_MIN steps takes
+    the factor of the nearest drafting k that has them (k = 0 keeps 1.0 without its own)."""
+    bare = replace(table, step_factor=None)
+    ratios: dict[int, list[float]] = defaultdict(list)
+    for k, context_len, ms in live:
+        if 0 <= k <= K_MAX and ms > 0:
+            ratios[k].append(ms / bare.step_ms(k, context_len))
+    have = {k: statistics.median(v) for k, v in ratios.items() if len(v) >= CALIBRATE_MIN}
+    drafting = sorted(k for k in have if k > 0)
+    if not drafting:
+        raise ValueError(f"too few live steps to calibrate costs (need {CALIBRATE_MIN} that drafted the same k): "
+                         "profile this pair and tier first, e.g. `python -m engine profile --policies ar,fixed:1,fixed:2,fixed:4`")
+    factor = [have.get(0, 1.0)] + [have[min(drafting, key=lambda j: (abs(j - k), j))] for k in range(1, K_MAX + 1)]
+    return replace(table, step_factor=factor)
 
 
 def measure(pair, buckets: tuple[int, ...] = CONTEXT_BUCKETS, reps: int = REPS,

@@ -62,17 +62,46 @@ def _stored_costs(store, key: tuple):
     return CostTable.from_rows(rows) if rows else None
 
 
+def cost_key(pair) -> tuple:
+    return (str(pair.device), pair.target_name, pair.draft_name, pair.target_tier, pair.draft_tier)
+
+
 def cost_table(store, pair):
     """The newest stored cost table for this pair and tier; measured (and stored) when absent."""
     from engine.costs import REPS, measure
 
-    key = (str(pair.device), pair.target_name, pair.draft_name, pair.target_tier, pair.draft_tier)
-    table = _stored_costs(store, key)
+    table = _stored_costs(store, cost_key(pair))
     if table is None:
         print(f"measuring costs for {pair.target_name} at {pair.target_tier} (once; stored)…", file=sys.stderr)
         table = measure(pair)
         store.add_costs(table.to_rows(REPS))
     return table
+
+
+def calibrate_costs(store, key: tuple):
+    """Stores (and returns) the cost table of `key` (device, target, draft, target tier, draft
+    tier) calibrated against the stored live steps of that pair, device and tier."""
+    from engine.costs import REPS, calibrate
+
+    table = _stored_costs(store, key)
+    if table is None:
+        raise ValueError(f"no cost table for {key[1]} + {key[2]} at {key[3]} on {key[0]}: run `python -m engine costs` first")
+    live = store.step_times(*key[:4])
+    table = calibrate(table, live.itertuples(index=False, name=None))
+    store.add_costs(table.to_rows(REPS))
+    return table
+
+
+def calibrate_all(store) -> list[tuple[tuple, object]]:
+    """Every stored cost table calibrated where its live steps allow: (key, table or the reason not)."""
+    keys = store.costs()[["device", "target", "draft", "target_tier", "draft_tier"]].drop_duplicates()
+    out = []
+    for key in keys.itertuples(index=False, name=None):
+        try:
+            out.append((key, calibrate_costs(store, key)))
+        except ValueError as e:
+            out.append((key, str(e)))
+    return out
 
 
 def policy_context(store, pair):
@@ -103,6 +132,8 @@ def _add_costs(sub) -> None:
     p.add_argument("--tiers", default="fp32", help="comma-separated target tiers")
     p.add_argument("--buckets", default="64,256,512", help="context lengths to measure at")
     p.add_argument("--reps", type=int, default=REPS, help="timed repetitions per point (after warm-up)")
+    p.add_argument("--calibrate", action="store_true",
+                   help="instead of measuring: scale the stored table to the stored live steps of the pair (per k)")
     _db_arg(p)
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_costs)
@@ -123,15 +154,21 @@ def cmd_costs(a: argparse.Namespace) -> int:
     with Store(a.db, wait_s=0.0):
         pass  # a corrupt or locked file fails now, not after minutes of measuring
     for pair in _pairs(a, tiers):
-        table = measure(pair, buckets, a.reps, progress=lambda m: print(m, file=sys.stderr))
-        with Store(a.db) as st:
-            cost_id = st.add_costs(table.to_rows(a.reps))
-        out.append(dict(table.key, cost_id=cost_id, buckets=table.buckets, draft_ms=table.draft_ms,
-                        verify_ms=table.verify_ms))
+        if a.calibrate:
+            with Store(a.db) as st:
+                table = calibrate_costs(st, cost_key(pair))
+        else:
+            table = measure(pair, buckets, a.reps, progress=lambda m: print(m, file=sys.stderr))
+            with Store(a.db) as st:
+                st.add_costs(table.to_rows(a.reps))
+        out.append(dict(table.key, buckets=table.buckets, draft_ms=table.draft_ms,
+                        verify_ms=table.verify_ms, step_factor=table.step_factor))
         if not a.json:
             print(f"{pair.target_tier}: draft {pair.draft_name} ({pair.draft_tier}) on {pair.device}")
             for b, d, v in zip(table.buckets, table.draft_ms, table.verify_ms):
                 print(f"  ctx {b:5d}  draft {d:6.2f} ms/token  verify k=0..8 " + " ".join(f"{x:6.1f}" for x in v))
+            if table.step_factor:
+                print("  live / measured step time, k=0..8 " + " ".join(f"{x:6.3f}" for x in table.step_factor))
     if a.json:
         print(json.dumps(out))
     return 0

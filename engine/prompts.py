@@ -176,6 +176,90 @@ _CHAT_SMALL = [
     "Plan a one-day trip to Paris.", "Describe a sunset in three sentences.", "How do I make a good cup of tea?",
 ]
 
+# Round 1 and later (`distill --data-rounds 2`): more everyday request forms, written after v1's
+# held-out agreement showed chat (0.40) and summarization (0.35) far behind code and math. Slot
+# values close to a held-out prompt (sleep, novels, declining a meeting, weather vs climate,
+# pancakes, the sky, hiking, working from home, second languages, octopuses) are left out.
+_CHAT_WIDE: dict[str, tuple[list[str], list[str]]] = {
+    "howto": (["How do I {x}?", "What is the best way to {x}?", "Can you explain how to {x}?",
+               "What are some tips to {x}?", "I want to {x}. Where do I start?"],
+              ["write a good resume", "clean a cast iron pan", "change a flat tire", "make a monthly budget",
+               "remember people's names", "ask for feedback at work", "unclog a kitchen sink", "choose a laptop",
+               "learn to touch type", "back up my computer", "stop procrastinating", "plan a vegetable garden",
+               "pick a ripe watermelon", "brew coffee with a French press", "write a toast for a wedding",
+               "organize my email inbox", "memorize a speech", "get rid of hiccups", "keep a conversation going",
+               "reduce my screen time", "fold a paper airplane", "keep fresh herbs longer", "wash a wool sweater",
+               "comfort a friend who is sad", "teach a child to ride a bike", "save energy at home",
+               "prepare for a driving test", "write a short story", "take care of a goldfish", "paint a room",
+               "choose running shoes", "make a podcast", "learn chess openings", "grow tomatoes on a balcony"]),
+    "recipe": (["Give me a simple recipe for {x}.", "How do I make {x}?", "What ingredients do I need for {x}?",
+                "What is an easy way to cook {x}?"],
+               ["tomato soup", "guacamole", "banana bread", "fried rice", "a Greek salad", "scrambled eggs",
+                "lemonade", "hummus", "chocolate chip cookies", "vegetable curry", "spaghetti carbonara",
+                "a fruit smoothie", "mashed potatoes", "chicken noodle soup", "oatmeal", "a grilled cheese sandwich",
+                "apple pie", "pesto", "roasted vegetables", "lentil soup", "brownies", "tacos", "a quiche",
+                "iced tea", "garlic bread", "an omelette", "rice pudding", "a stir fry", "potato salad"]),
+    "recommend": (["Can you recommend a few {x}?", "What are some good {x}?", "Suggest five {x}.",
+                   "I am looking for {x}. Any ideas?"],
+                  ["board games for a family evening", "podcasts about history", "science fiction films",
+                   "documentaries about nature", "houseplants that are hard to kill", "hobbies for a quiet person",
+                   "exercises I can do at my desk", "gifts for a coworker", "children's books about animals",
+                   "strategy games for two players", "weekend trips from London", "easy instruments to learn",
+                   "poems to read aloud", "songs for a road trip", "apps to learn drawing",
+                   "activities for a group of friends", "snacks for a long train ride", "names for a bakery"]),
+    "prepare": (["What should I pack for {x}?", "How should I prepare for {x}?", "Make a checklist for {x}."],
+                ["a beach holiday", "a business trip", "a ski weekend", "a long flight", "a trip to Japan",
+                 "a road trip", "a music festival", "a city break in Rome", "a first day at university",
+                 "a picnic", "a day at the zoo", "a job fair", "a move to another country", "a school trip"]),
+    "polite": (["How do I politely {x}?", "What is a kind way to {x}?", "Write a short message to {x}."],
+               ["ask a neighbour to turn down their music", "remind a friend that they owe me money",
+                "turn down a job offer", "ask my boss for a raise", "end a long phone call", "leave a party early",
+                "tell a coworker they made a mistake", "ask for a refund", "cancel plans with a friend",
+                "introduce myself to new neighbours", "ask a teacher for an extension",
+                "disagree with someone in a meeting", "thank a colleague for their help", "ask for directions"]),
+    "compare": (["What is the difference between {x}?", "How are {x} different?", "Compare {x}."],
+                ["a crocodile and an alligator", "a hurricane and a tornado", "a lake and a pond",
+                 "a frog and a toad", "stocks and bonds", "a credit card and a debit card",
+                 "baking soda and baking powder", "a comet and an asteroid", "a rabbit and a hare",
+                 "speed and velocity", "a moth and a butterfly", "a cold and the flu", "a latte and a cappuccino",
+                 "RAM and storage", "an ocean and a sea", "a democracy and a monarchy", "a city and a town",
+                 "a poem and a song", "a bakery and a cafe", "a violin and a cello"]),
+    "benefits": (["What are the benefits of {x}?", "Why is {x} good for you?", "Is {x} worth it?"],
+                 ["drinking water", "walking every day", "reading to children", "playing an instrument",
+                  "volunteering", "stretching", "keeping a budget", "cycling to work", "eating breakfast",
+                  "spending time in nature", "owning a pet", "public libraries", "taking breaks at work",
+                  "drinking green tea", "learning to swim", "gardening", "writing things down", "board games"]),
+    "animal": (["Tell me a fun fact about {x}.", "What is special about {x}?", "Where do {x} live and what do they eat?",
+                "Why are {x} interesting?"],
+               ["giraffes", "dolphins", "owls", "koalas", "elephants", "sharks", "ants", "flamingos", "sloths",
+                "kangaroos", "jellyfish", "hedgehogs", "parrots", "camels", "bats", "turtles", "frogs", "squirrels",
+                "pandas", "wolves", "crows", "starfish", "seahorses", "zebras", "foxes", "otters", "eagles"]),
+    "why": (["Why {x}?", "Can you explain why {x}?"],
+            ["is the ocean salty", "is grass green", "is ice slippery", "do leaves change colour in autumn",
+             "is it colder at the top of a mountain", "do cats purr", "do we yawn", "does bread go stale",
+             "do onions make us cry", "do we have seasons", "does metal feel cold", "do birds migrate",
+             "do we dream", "does the Moon have phases", "do stars twinkle", "does popcorn pop"]),
+}
+_CODE_WIDE = [
+    ("How do I {x} in Python?", ["read a JSON file", "sort a dictionary by value", "make an HTTP request",
+                                 "get the current date and time", "create a virtual environment", "handle exceptions",
+                                 "write text to a file", "format a string with variables", "parse command line arguments",
+                                 "loop over two lists at once", "remove an item from a list", "check if a key is in a dictionary",
+                                 "convert a string to a number", "run a shell command", "copy a file",
+                                 "list the files in a folder", "generate random numbers", "split a string into words"]),
+    ("Write a {x}.", ["Python class for a bank account with deposit and withdraw methods",
+                      "Python class for a queue with enqueue and dequeue methods", "Python class for a 2D point with a distance method",
+                      "Python class for a to-do list with add and remove methods",
+                      "Python class for a rectangle with area and perimeter methods", "JavaScript class for a simple timer",
+                      "Java class for a student with a name and grades", "Python dataclass for a book",
+                      "Go struct for a user with a method that prints a greeting", "TypeScript interface for a product"]),
+    ("Explain what {x} is, with an example.", ["a Python dictionary comprehension", "a Python generator expression",
+                                               "a JavaScript promise", "a SQL join", "a Python decorator", "a Rust enum",
+                                               "a Python f-string", "the Python with statement", "a bash for loop",
+                                               "an HTML form", "a CSS flexbox layout", "a Git merge conflict"]),
+]
+
+
 _SUMMARY_FORMS = [
     "Summarize in one sentence: {text}", "Summarize in two sentences: {text}", "Summarize briefly: {text}",
     "Give a short summary of the following text: {text}", "What is the main idea of this text? {text}",
@@ -211,6 +295,24 @@ def _math_prompt(rng: random.Random) -> str:
     return rng.choice(forms)()
 
 
+# Subjects of the held-out summaries: texts about them are never summarized in training.
+HELDOUT_SUBJECTS = ("printing press", "gutenberg", "photosynthesis", "remote work", "barrier reef", "coral",
+                    "exercise", "hash table", "apollo", "electric car", "honeybee", "bees", "version control", "git")
+
+
+def prose_paragraphs(answers: list[str], max_chars: int = 1200) -> list[str]:
+    """Paragraphs of plain prose from model answers (no code, no lists, no held-out subject)."""
+    out = []
+    for answer in answers:
+        for para in answer.split("\n\n"):
+            para = " ".join(para.split())
+            low = para.lower()
+            if (200 <= len(para) <= max_chars and para[0].isalpha() and "`" not in para and "#" not in para
+                    and not any(s in low for s in HELDOUT_SUBJECTS)):
+                out.append(para)
+    return out
+
+
 @lru_cache(maxsize=1)
 def stdlib_texts(max_chars: int = 1200) -> tuple[str, ...]:
     """Paragraph-sized English texts from the Python documentation shipped with Python."""
@@ -226,11 +328,21 @@ def stdlib_texts(max_chars: int = 1200) -> tuple[str, ...]:
     return tuple(texts)
 
 
-def training_prompts(n_per_task: int = 400, seed: int = 0) -> list[tuple[str, str]]:
-    """Deterministic (task, prompt) pairs for distillation, disjoint from the held-out set."""
-    rng = random.Random(seed)
-    banned = {p for _, p in heldout()}
-    texts = list(stdlib_texts())
+def _wide(rng: random.Random, groups) -> str:
+    forms, slots = rng.choice(list(groups))
+    return rng.choice(forms if isinstance(forms, list) else [forms]).format(x=rng.choice(slots))
+
+
+def training_prompts(n_per_task: int = 400, seed: int = 0, data_round: int = 0,
+                     texts: list[str] | None = None, exclude: frozenset[str] = frozenset()) -> list[tuple[str, str]]:
+    """Deterministic (task, prompt) pairs for distillation, disjoint from the held-out set and
+    from `exclude`. Round 0 draws from the original templates (v1's data, reproducible); later
+    rounds mix in the wider everyday forms half of the time and summarize `texts` (default: the
+    Python docs; distill passes the target's own earlier answers, general prose like the held-out
+    summaries)."""
+    rng = random.Random(seed if data_round == 0 else seed * 1009 + data_round)
+    banned = {p for _, p in heldout()} | set(exclude)
+    texts = list(texts or stdlib_texts())
     makers = {
         "code": lambda: rng.choice(_CODE_FORMS).format(lang=rng.choice(_LANGS), task=rng.choice(_CODE_TASKS))
         if rng.random() < 0.75 else rng.choice(_CODE_EXPLAIN).format(
@@ -244,6 +356,10 @@ def training_prompts(n_per_task: int = 400, seed: int = 0) -> list[tuple[str, st
         ])(),
         "summarization": lambda: rng.choice(_SUMMARY_FORMS).format(text=rng.choice(texts)),
     }
+    if data_round > 0:
+        old = dict(makers)
+        makers["chat"] = lambda: _wide(rng, _CHAT_WIDE.values()) if rng.random() < 0.6 else old["chat"]()
+        makers["code"] = lambda: _wide(rng, _CODE_WIDE) if rng.random() < 0.4 else old["code"]()
     out: list[tuple[str, str]] = []
     for task, make in makers.items():
         seen: set[str] = set()

@@ -60,6 +60,7 @@ class DecodeState:
     kv_tier: str
     history: list[StepRecord] = field(default_factory=list)
     alpha_ewma: float | None = None  # per-token acceptance, EWMA over drafted steps
+    alpha_trials: float = 0.0  # the (decayed) trials behind alpha_ewma: how much to trust it
 
     @property
     def last(self) -> StepRecord | None:

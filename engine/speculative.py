@@ -215,7 +215,7 @@ class Generation:
             state = DecodeState(
                 step=step, position=len(tokens) - n_prompt, context_len=len(tokens),
                 remaining=remaining, target_tier=pair.target_tier, kv_tier=cfg.kv_tier,
-                history=self.records, alpha_ewma=acc.alpha,
+                history=self.records, alpha_ewma=acc.alpha, alpha_trials=acc.trials,
             )
             t0 = time.perf_counter()
             action = self.policy.choose(state)

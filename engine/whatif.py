@@ -61,7 +61,8 @@ def replay(policy: Policy, trace: dict, positions: list[dict], costs: CostTable 
     while pos < len(out):
         remaining = budget - pos
         state = DecodeState(step=len(records), position=pos, context_len=n_prompt + pos, remaining=remaining,
-                            target_tier=tier, kv_tier=kv_tier, history=records, alpha_ewma=acc.alpha)
+                            target_tier=tier, kv_tier=kv_tier, history=records, alpha_ewma=acc.alpha,
+                            alpha_trials=acc.trials)
         action = policy.choose(state)
         k = min(action.k, remaining - 1)  # as the engine caps it: the bonus token needs a slot
         drafted = _draft(policy, state, at[pos], k)

@@ -1,5 +1,6 @@
 """Replay & retrain: every policy side by side over the stored acceptance traces (exact what-if
-replay with the measured cost tables), the stored controllers, and a retrain button. Glue only:
+replay with the measured cost tables), the stored controllers, a retrain button and one that
+calibrates the cost tables against the live runs. Glue only:
 the replay, training and storage live in engine/ and store/."""
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import os
 import pandas as pd
 import streamlit as st
 
-from engine.lab import replay_all, retrain
+from engine.lab import calibrate_all, replay_all, retrain
 from engine.whatif import summarize
 from pages.common import settings, show_error
 from store import Store
@@ -90,5 +91,23 @@ if overview is not None:
             st.success(f"speckv v{r.version} is now active: test corr {r.test_corr:.3f} (forest {r.rf_test_corr:.3f}), "
                        f"decision {r.decision_ms_median:.3f} ms, replay {r.whatif_gain_vs_fixed4:+.1%} vs fixed:4, "
                        f"{r.whatif_gain_vs_best_fixed:+.1%} vs the best fixed γ")
+        except Exception as e:  # noqa: BLE001
+            show_error(e)
+
+    st.subheader("Cost tables")
+    st.caption("Live steps also pay the draft's catch-up reads and the accept loop; calibrating scales each "
+               "table, per draft length, to the live runs stored for its pair and tier (profile `ar` and a few "
+               "`fixed:k` first). Replay and the `speckv`/`rakv` policies then use the calibrated table.")
+    if st.button("Calibrate cost tables from the live runs", key="calibrate"):
+        try:
+            with Store(db, wait_s=3.0) as s:
+                results = calibrate_all(s)
+            for (device, target, draft, tier, _), out in results:
+                name = f"{target} + {draft} at {tier} on {device}"
+                if isinstance(out, str):
+                    st.warning(f"{name}: {out}")
+                else:
+                    st.success(f"{name}: live / measured step time for k = 0..8: "
+                               + " ".join(f"{f:.2f}" for f in out.step_factor))
         except Exception as e:  # noqa: BLE001
             show_error(e)

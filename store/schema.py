@@ -130,6 +130,10 @@ MIGRATIONS: list[str] = [
         PRIMARY KEY (name, version)
     );
     """,
+    # 3: cost tables calibrated against the engine's live steps (engine/costs.py, `calibrate`).
+    """
+    ALTER TABLE costs ADD COLUMN step_factor DOUBLE[];
+    """,
 ]
 
 # Values Python fills in for a missing key, matching the column DEFAULTs above: inserts

@@ -282,6 +282,15 @@ class Store:
         with self._reader() as con:
             return _typed(con.execute(sql, params).df(), "costs")
 
+    def step_times(self, device: str, target: str, draft: str, target_tier: str) -> pd.DataFrame:
+        """(k_drafted, context_len, ms) of every decode step after the prefill of the finished
+        runs of one pair on one device and tier; ms = draft_ms + verify_ms."""
+        sql = ("SELECT s.k_drafted, s.context_len, s.draft_ms + s.verify_ms AS ms FROM steps s"
+               " JOIN runs r ON r.run_id = s.run_id WHERE r.device = ? AND r.target = ? AND r.draft = ?"
+               " AND r.target_tier = ? AND r.source = 'speclab' AND r.error IS NULL AND s.step > 0 ORDER BY r.created_at, s.run_id, s.step")
+        with self._reader() as con:
+            return con.execute(sql, [device, target, draft, target_tier]).df()
+
     def controller(self, name: str,
                    version: int | None = None) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
         """(params, meta) of one version; None means the active one, else the latest."""

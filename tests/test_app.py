@@ -149,7 +149,7 @@ def test_engine_errors_are_one_line(app_env, monkeypatch):
 
 def test_replay_page_shows_policies_side_by_side_and_retrains(app_env, tiny_pair):
     from engine.costs import measure
-    from engine.profiling import trace
+    from engine.profiling import Job, run_job, trace
 
     with Store(app_env) as s:
         s.add_costs(measure(tiny_pair, buckets=(8,), reps=2).to_rows(2))
@@ -167,6 +167,18 @@ def test_replay_page_shows_policies_side_by_side_and_retrains(app_env, tiny_pair
     assert "speckv v1 is now active" in at.success[0].value
     with Store(app_env, read_only=True) as s:
         assert set(s.controllers()["name"]) == {"speckv", "speckv-rf"}
+    at.button(key="calibrate").click().run()  # no live runs yet: says what to run, changes nothing
+    assert not at.exception and not _errors(at) and "python -m engine profile" in at.warning[0].value
+    with Store(app_env) as s:
+        for pol in ("ar", "fixed:2"):
+            for prompt in ("def f(x):", "Hi there"):
+                row, steps = run_job(tiny_pair, Job("fp32", "chat", prompt, pol), None, 16)
+                s.add_run(row, steps)
+    at.button(key="calibrate").click().run()
+    assert not at.exception and not _errors(at) and not at.warning
+    assert "live / measured step time for k = 0..8" in at.success[-1].value
+    with Store(app_env, read_only=True) as s:
+        assert len(s.costs()["step_factor"].iloc[0]) == 9
 
 
 def test_replay_page_without_traces_says_what_to_run(app_env):

@@ -4,7 +4,6 @@ import signal
 from pathlib import Path
 
 import pytest
-import torch
 
 from engine import distill
 from engine.draft import MARKER, WEIGHTS
@@ -45,7 +44,7 @@ def _cfg(tiny_dirs, tmp_path, **kw):
 @pytest.fixture(scope="module")
 def trained(tiny_dirs, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("distill")
-    cfg = _cfg(tiny_dirs, tmp)
+    cfg = _cfg(tiny_dirs, tmp, data_rounds=2)
     out = distill.run(cfg, progress=Bar, say=lambda m: None)
     return cfg, out
 
@@ -56,6 +55,9 @@ def test_data_shards_hold_target_greedy_responses(trained, tiny_dirs):
     shards = sorted(p.name for p in data.glob("*.safetensors"))
     assert any(s.startswith("train-") for s in shards) and any(s.startswith("heldout-") for s in shards)
     assert any(s.startswith("text-") for s in shards)
+    assert any(s.startswith("train-r1-") for s in shards)  # the second round of prompts
+    assert len(distill.load_examples(data, "train")) == sum(len(distill.Shard.load(data / s).offsets) - 1
+                                                          for s in shards if s.startswith("train-"))
     pair = load_pair(str(tiny_dirs[0]), str(tiny_dirs[1]), device="cpu")
     ex = distill.load_examples(data, "train")[0]
     # The shard's response is the target's own greedy continuation, and its top-1 agrees.

@@ -84,6 +84,27 @@ def test_cost_table_lookup_uses_the_bucket_at_or_below():
     assert t.step_ms(0, 10) == 10.0 and t.step_ms(4, 100) == 4 * 1.0 + 14.0 and t.step_ms(2, 999) == 2 * 2.0 + 22.0
 
 
+def test_calibration_scales_each_draft_length_to_its_live_steps():
+    from engine.costs import CALIBRATE_MIN, calibrate
+    from store import Store
+
+    t = CostTable([64, 256], [1.0, 2.0], [[10.0 + k for k in range(9)], [20.0 + k for k in range(9)]],
+                  key=dict(device="cpu", target="t", draft="d", target_tier="fp32", draft_tier="fp32"))
+    live = [(0, 100, 1.1 * t.step_ms(0, 100))] * CALIBRATE_MIN + [(1, 300, 1.2 * t.step_ms(1, 300))] * CALIBRATE_MIN
+    live += [(4, 70, 1.5 * t.step_ms(4, 70))] * CALIBRATE_MIN + [(6, 70, 9.0 * t.step_ms(6, 70))] * (CALIBRATE_MIN - 1)
+    cal = calibrate(t, live)
+    # k = 2 is nearest to 1, k = 3 to 4; k = 6 has too few steps of its own, so it follows k = 4.
+    assert cal.step_factor == pytest.approx([1.1, 1.2, 1.2, 1.5, 1.5, 1.5, 1.5, 1.5, 1.5])
+    assert cal.step_ms(1, 300) == pytest.approx(1.2 * t.step_ms(1, 300)) and t.step_factor is None
+    assert calibrate(cal, live).step_factor == cal.step_factor  # from the bare forwards, not compounded
+    with Store(":memory:") as st:
+        st.add_costs(cal.to_rows(3))
+        back = CostTable.from_rows(st.costs().to_dict("records"))
+    assert back.step_factor == pytest.approx(cal.step_factor) and back.step_ms(4, 64) == pytest.approx(cal.step_ms(4, 64))
+    with pytest.raises(ValueError, match="too few live steps.*python -m engine profile"):
+        calibrate(t, live[:CALIBRATE_MIN])  # plain steps only: nothing says what drafting costs
+
+
 def test_stored_arrays_predict_as_sklearn_does():
     from sklearn.ensemble import RandomForestRegressor
     from sklearn.neural_network import MLPRegressor
@@ -144,6 +165,12 @@ def test_cli_measure_trace_retrain_replay_profile(tiny_dirs, tmp_path):
     assert _cli(*steps[5]).returncode == 0  # a finished sweep reruns nothing
     with Store(db, read_only=True) as st:
         assert len(st.runs(sweep="s1")) == 16
+    calibrated = _cli("costs", *model, "--calibrate", "--db", db, "--json")
+    assert calibrated.returncode == 0, calibrated.stderr[-2000:]
+    factor = json.loads(calibrated.stdout)[0]["step_factor"]
+    assert len(factor) == 9 and all(f > 0 for f in factor)
+    with Store(db, read_only=True) as st:  # the newest table, the one policies and replay use now
+        assert st.costs()["step_factor"].iloc[0].tolist() == pytest.approx(factor)
     retrain_runs = _cli("retrain", "--source", "runs", "--db", db, "--json")
     assert retrain_runs.returncode == 0, retrain_runs.stderr[-2000:]
     assert json.loads(retrain_runs.stdout)["version"] == 2

@@ -46,14 +46,42 @@ def test_rakv_speculates_only_when_it_pays():
     pol = make_policy("rakv", PolicyContext(costs=_costs()))
     sure, unsure = _state(), _state()
     sure.alpha_ewma, unsure.alpha_ewma = 0.95, 0.02
+    sure.alpha_trials = unsure.alpha_trials = 200.0  # well-founded estimates
     assert pol.choose(sure).k == K_MAX  # verify is nearly free per token: draft long
     assert pol.choose(unsure).k == 0  # nothing would be accepted: plain decoding is cheapest
+    assert pol.choose(sure).k == K_MAX and pol.choose(unsure).k == 0  # a repeated decision (cached) too
+    # One accepted probe (α = 1/1) is weak evidence: the prior α0 = 0.6 still weighs in.
+    lucky = _state()
+    lucky.alpha_ewma, lucky.alpha_trials = 1.0, 1.0
+    gamble = make_policy("rakv", PolicyContext(costs=_costs(draft_ms=2.0, per_token=2.0)))
+    sure2 = _state()
+    sure2.alpha_ewma, sure2.alpha_trials = 0.97, 200.0
+    assert gamble.choose(lucky).k < gamble.choose(sure2).k
     costly_draft = make_policy("rakv", PolicyContext(costs=_costs(draft_ms=30.0)))
     assert costly_draft.choose(sure).k == 0  # a draft dearer than the target never pays
     # k = 0 teaches nothing about α: after 8 plain steps in a row, one 1-token probe.
     streak = _state([_rec(0, 0, 0)] * 8)
     streak.alpha_ewma = 0.02
     assert pol.choose(streak).k == 1
+
+
+def test_probes_back_off_when_they_do_not_pay():
+    from engine.policies.base import PROBE_AFTER, PROBE_MAX, probe_due
+
+    plain, probe, spec = _rec(0, 0, 0), _rec(1, 1, 0), _rec(4, 4, 3)
+    assert not probe_due(_state([plain] * (PROBE_AFTER - 1)))
+    assert probe_due(_state([plain] * PROBE_AFTER))
+    # One probe led straight back to plain decoding: the next waits twice as long, then 4×, …
+    one = [plain] * PROBE_AFTER + [probe]
+    assert not probe_due(_state(one + [plain] * (2 * PROBE_AFTER - 1)))
+    assert probe_due(_state(one + [plain] * 2 * PROBE_AFTER))
+    two = one + [plain] * 2 * PROBE_AFTER + [probe]
+    assert not probe_due(_state(two + [plain] * (4 * PROBE_AFTER - 1)))
+    many = ([plain] * PROBE_MAX + [probe]) * 6
+    assert probe_due(_state(many + [plain] * PROBE_MAX))  # never waits longer than PROBE_MAX
+    # A probe that paid (the policy went on drafting) resets the wait.
+    paid = two + [plain] * 4 * PROBE_AFTER + [probe, spec, spec]
+    assert probe_due(_state(paid + [plain] * PROBE_AFTER))
 
 
 def test_speckv_follows_its_predictor_and_costs():

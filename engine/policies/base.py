@@ -45,16 +45,29 @@ class BasePolicy:
         pass
 
 
-# Plain (k = 0) steps teach an adaptive policy nothing about acceptance, so after this many in a
-# row `speckv` and `rakv` draft one token to refresh what they know.
+# Plain (k = 0) steps teach an adaptive policy nothing about acceptance, so after PROBE_AFTER of
+# them in a row `speckv` and `rakv` draft one token to refresh what they know. A probe costs a
+# little when speculation does not pay (a tier where the target is cheap, a text the draft gets
+# wrong), so each probe that led straight back to plain decoding doubles the wait, up to PROBE_MAX.
 PROBE_AFTER = 8
+PROBE_MAX = 64
 
 
-def ar_streak(state: DecodeState) -> int:
-    """Plain (k = 0) decode steps in a row just before this one."""
-    n = 0
-    for rec in reversed(state.history):
-        if rec.step == 0 or rec.k_chosen > 0:
-            break
-        n += 1
-    return n
+def _plain(rec: StepRecord) -> bool:
+    return rec.step > 0 and rec.k_chosen == 0
+
+
+def probe_due(state: DecodeState) -> bool:
+    """Whether this step should draft one token to probe acceptance (see PROBE_AFTER)."""
+    hist, i = state.history, len(state.history) - 1
+    streak = 0
+    while i >= 0 and _plain(hist[i]):
+        streak, i = streak + 1, i - 1
+    wait = PROBE_AFTER
+    # Walking back: … plain, drafting step, plain × streak. A drafting step between plain ones
+    # is a probe that did not pay (or a lone draft: the same lesson).
+    while wait < PROBE_MAX and i >= 1 and hist[i].k_chosen > 0 and _plain(hist[i - 1]):
+        wait, i = wait * 2, i - 1
+        while i >= 0 and _plain(hist[i]):
+            i -= 1
+    return streak >= min(wait, PROBE_MAX)

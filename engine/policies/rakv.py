@@ -9,8 +9,13 @@ import numpy as np
 
 from engine.controllers import candidates, expected_tokens
 from engine.costs import CostTable
-from engine.policies.base import PROBE_AFTER, BasePolicy, ar_streak
+from engine.policies.base import BasePolicy, probe_due
 from engine.records import Action, DecodeState
+
+
+# rakv's prior α0 counts as this many trials beside the EWMA's own: one accepted probe alone
+# (α = 1/1) would otherwise send it to k = 8, a gamble that costs ~5 plain steps when it fails.
+PRIOR_TRIALS = 4.0
 
 
 class RakvPolicy(BasePolicy):
@@ -19,11 +24,22 @@ class RakvPolicy(BasePolicy):
             raise ValueError(f"rakv:α0 needs 0 ≤ α0 < 1, got {alpha0}")
         self.costs, self.alpha0 = costs, alpha0
         self.name = "rakv" if alpha0 == 0.6 else f"rakv:{alpha0:g}"
+        self._last: tuple = ()  # (inputs, k) of the last decision: plain streaks repeat it
 
     def choose(self, state: DecodeState) -> Action:
-        if ar_streak(state) >= PROBE_AFTER:
+        if probe_due(state):
             return Action(k=1)
-        alpha = self.alpha0 if state.alpha_ewma is None else state.alpha_ewma
-        ks = np.array(candidates(state))
-        ms_per_token = np.array([self.costs.step_ms(int(k), state.context_len) for k in ks]) / expected_tokens(alpha, ks)
-        return Action(k=int(ks[int(np.argmin(ms_per_token))]))
+        n = state.alpha_trials if state.alpha_ewma is not None else 0.0
+        alpha = ((state.alpha_ewma or 0.0) * n + self.alpha0 * PRIOR_TRIALS) / (n + PRIOR_TRIALS)
+        ks = candidates(state)
+        key = (alpha, self.costs.bucket_of(state.context_len), ks)
+        if self._last and self._last[0] == key:
+            return Action(k=self._last[1])
+        ks_arr = np.array(ks)
+        ms_per_token = np.array([self.costs.step_ms(int(k), state.context_len) for k in ks]) / expected_tokens(alpha, ks_arr)
+        k = int(ks_arr[int(np.argmin(ms_per_token))])
+        self._last = (key, k)
+        return Action(k=k)
+
+    def reset(self) -> None:
+        self._last = ()

@@ -12,7 +12,7 @@ import numpy as np
 
 from engine.controllers import PAPER_CANDIDATES, Predictor, candidates, expected_tokens, feature_rows, signals_before
 from engine.costs import CostTable
-from engine.policies.base import PROBE_AFTER, BasePolicy, ar_streak
+from engine.policies.base import BasePolicy, probe_due
 from engine.records import Action, DecodeState
 
 
@@ -25,16 +25,25 @@ class SpeckvPolicy(BasePolicy):
             raise ValueError("policy speckv weighs measured costs: run `python -m engine costs` for this pair and tier")
         self.predictor, self.costs, self.objective, self.name = predictor, costs, objective, name
         self.last_expected: float | None = None  # the predictor's E[tokens] for its choice (replay shows the gap)
+        self._last: tuple = ()  # (inputs, k, E) of the last decision: plain streaks repeat it
 
     def choose(self, state: DecodeState) -> Action:
-        if self.objective == "tps" and ar_streak(state) >= PROBE_AFTER:
+        if self.objective == "tps" and probe_due(state):
             self.last_expected = None
             return Action(k=1)
         k, self.last_expected = _OBJECTIVES[self.objective](self, state)
         return Action(k=k)
 
+    def reset(self) -> None:
+        self._last = ()
+
     def _tps(self, state: DecodeState) -> tuple[int, float]:
         grid = candidates(state)
+        # Same features (the last drafting step), context bucket and candidates: same choice.
+        drafted = next((r for r in reversed(state.history) if r.k_drafted > 0), None)
+        key = (id(drafted), state.target_tier, self.costs.bucket_of(state.context_len), grid)
+        if self._last and self._last[0] == key:
+            return self._last[1], self._last[2]
         ks = np.array(grid)
         # Row k = 0 only fills the batch: a plain step yields exactly one token.
         x = feature_rows(signals_before(state, self.predictor.defaults), state.target_tier, grid)
@@ -43,6 +52,7 @@ class SpeckvPolicy(BasePolicy):
         e = np.where(ks == 0, 1.0, expected_tokens(alpha, ks))
         ms = np.array([self.costs.step_ms(int(k), state.context_len) for k in ks])
         best = int(np.argmax(e / ms))
+        self._last = (key, int(ks[best]), float(e[best]))
         return int(ks[best]), float(e[best])
 
     def _paper(self, state: DecodeState) -> tuple[int, float]:
