@@ -321,6 +321,8 @@ def test_version_1_file_migrates_and_keeps_its_runs(tmp_path: Path) -> None:
     con = duckdb.connect(str(path), read_only=True)
     try:
         assert con.execute("SELECT schema_version FROM meta").fetchall() == [(SCHEMA_VERSION,)]
-        assert SCHEMA_VERSION == 2
+        assert SCHEMA_VERSION == 3
+        cols = [r[0] for r in con.execute("SELECT column_name FROM information_schema.columns WHERE table_name = 'costs'").fetchall()]
+        assert "step_factor" in cols  # migration 3: calibrated cost tables
     finally:
         con.close()
