@@ -11,7 +11,7 @@ from typing import Callable
 
 import numpy as np
 
-from engine.records import DecodeState
+from engine.records import DecodeState, StepRecord
 
 # The paper's six inputs, in its order. The first four describe the draft's uncertainty over
 # the drafted tokens of a step; online they come from the *previous* drafting step, the only one
@@ -79,12 +79,18 @@ def _forest(a: dict[str, np.ndarray], x: np.ndarray) -> np.ndarray:
 _PREDICT: dict[str, Callable[[dict, np.ndarray], np.ndarray]] = {"mlp": _mlp, "rf": _forest}
 
 
-def signals_before(state: DecodeState, defaults: np.ndarray) -> np.ndarray:
-    """[mean H, mean c, H_max, c_min] of the last step that drafted; `defaults` before any."""
-    for rec in reversed(state.history):
-        if rec.k_drafted > 0 and rec.mean_entropy is not None:
-            return np.array([rec.mean_entropy, rec.mean_confidence, rec.max_entropy, rec.min_confidence])
-    return defaults
+def last_drafting(state: DecodeState) -> StepRecord | None:
+    """The newest step that drafted (and so has signals), or None."""
+    return next((r for r in reversed(state.history) if r.k_drafted > 0 and r.mean_entropy is not None), None)
+
+
+def signals_before(state: DecodeState, defaults: np.ndarray, rec: StepRecord | None = None) -> np.ndarray:
+    """[mean H, mean c, H_max, c_min] of the last step that drafted (`rec`, found when not
+    given); `defaults` before any."""
+    rec = rec or last_drafting(state)
+    if rec is None:
+        return defaults
+    return np.array([rec.mean_entropy, rec.mean_confidence, rec.max_entropy, rec.min_confidence])
 
 
 def feature_rows(signals: np.ndarray, tier: str, gammas: tuple[int, ...]) -> np.ndarray:

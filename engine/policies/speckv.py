@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from engine.controllers import PAPER_CANDIDATES, Predictor, candidates, expected_tokens, feature_rows, signals_before
+from engine.controllers import (PAPER_CANDIDATES, Predictor, candidates, expected_tokens, feature_rows, last_drafting,
+                                signals_before)
 from engine.costs import CostTable
 from engine.policies.base import BasePolicy, probe_due
 from engine.records import Action, DecodeState
@@ -40,13 +41,13 @@ class SpeckvPolicy(BasePolicy):
     def _tps(self, state: DecodeState) -> tuple[int, float]:
         grid = candidates(state)
         # Same features (the last drafting step), context bucket and candidates: same choice.
-        drafted = next((r for r in reversed(state.history) if r.k_drafted > 0), None)
+        drafted = last_drafting(state)
         key = (id(drafted), state.target_tier, self.costs.bucket_of(state.context_len), grid)
         if self._last and self._last[0] == key:
             return self._last[1], self._last[2]
         ks = np.array(grid)
         # Row k = 0 only fills the batch: a plain step yields exactly one token.
-        x = feature_rows(signals_before(state, self.predictor.defaults), state.target_tier, grid)
+        x = feature_rows(signals_before(state, self.predictor.defaults, drafted), state.target_tier, grid)
         alpha = self.predictor.predict(x)  # acceptance rate of a k-token draft, per candidate
         # Expected tokens as a truncated geometric in that rate (DESIGN.md), per measured ms.
         e = np.where(ks == 0, 1.0, expected_tokens(alpha, ks))
