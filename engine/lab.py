@@ -94,7 +94,9 @@ def calibrate_costs(store, key: tuple):
 
 def calibrate_all(store) -> list[tuple[tuple, object]]:
     """Every stored cost table calibrated where its live steps allow: (key, table or the reason not)."""
-    keys = store.costs()[["device", "target", "draft", "target_tier", "draft_tier"]].drop_duplicates()
+    from store.tables import COST_KEY
+
+    keys = store.costs()[list(COST_KEY)].drop_duplicates()
     out = []
     for key in keys.itertuples(index=False, name=None):
         try:
