@@ -4,7 +4,8 @@
                objective included) vs sklearn's `predict` on the same rows, the paper's way
                (and its published 0.336 ms); the MLP is trained on the SpecKV file
     live       per target tier, on held-out prompts never trained on: `ar`, `fixed:k`, `speckv`
-               and `rakv` end to end (wall clock, same run, policies interleaved per prompt);
+               and `rakv` end to end (wall clock, same run, policies interleaved per prompt in
+               a rotating order, each (prompt, policy) run --repeats times, its median counted);
                `speckv` is first retrained from acceptance traces of other held-out prompts (the
                draft never saw either half), the cost table is calibrated against live
                `ar`/`fixed:1,2,4` steps on those same training prompts, and each adaptive
@@ -107,11 +108,14 @@ def live(a: argparse.Namespace) -> dict:
         for tier in tiers:
             pair = load_pair(a.target, a.draft, tier, a.draft_tier, a.device)
             ctx = policy_context(st, pair)
-            for task, prompt in held:  # policies interleaved per prompt: drift hits all alike
-                for pol in policies:
-                    row, steps = run_job(pair, Job(tier, task, prompt, pol), ctx, a.max_new_tokens)
-                    st.add_run(dict(row, sweep=sweep), steps)
-            print(f"{tier}: {len(held)} held-out prompts × {len(policies)} policies done", file=sys.stderr)
+            for rep in range(a.repeats):
+                for i, (task, prompt) in enumerate(held):
+                    # Policies interleaved per prompt, their order rotated: drift hits all alike.
+                    shift = (i + rep) % len(policies)
+                    for pol in policies[shift:] + policies[:shift]:
+                        row, steps = run_job(pair, Job(tier, task, prompt, pol), ctx, a.max_new_tokens)
+                        st.add_run(dict(row, sweep=sweep), steps)
+            print(f"{tier}: {len(held)} held-out prompts × {len(policies)} policies × {a.repeats} done", file=sys.stderr)
             del pair
         table = sweep_table(st.runs(sweep=sweep))
     return dict(db=db, sweep=sweep, controller=report.to_dict(), step_factor=factors, tiers=table)
@@ -130,6 +134,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--per-task", type=int, default=2, help="held-out prompts per task run live (odd ones)")
     p.add_argument("--train-per-task", type=int, default=4, help="held-out prompts per task traced to train speckv (even ones)")
     p.add_argument("--max-new-tokens", type=int, default=96)
+    p.add_argument("--repeats", type=int, default=3, help="runs of each (prompt, policy); the median wall time counts")
     p.add_argument("--db", default=None, help="keep the live data in this DuckDB file (default: a temp file)")
     p.add_argument("--json", action="store_true")
     a = p.parse_args(argv)

@@ -9,7 +9,15 @@ Two places break that on this CPU at bf16 (measured on SmolLM2-135M, torch 2.13)
 At bf16 a one-ULP change flips the argmax between tied logits, which are common at 8 bits of
 mantissa. So while verifying (and only then), attention runs one query row at a time through
 HF's own one-query path, and each linear shape that a load-time probe finds row-variant runs one
-row at a time. Prefill, decode steps and the draft's forwards are untouched HF code."""
+row at a time. Prefill and decode steps are untouched HF code.
+
+The draft has no such duty: its numerics only change what is proposed. It needs path
+independence instead — its state at a position must not depend on how many tokens each read
+took (the policy), or a live run would not replay its trace. Rather than read row by row (0.7 ms
+a token here), `make_row_invariant` gives it a forward whose rows never depend on the batch:
+linears see row counts padded to a multiple of 2 or 4 (the kernels round every row alike then),
+and attention runs in float64. A load-time probe reads the same tokens in several chunkings and
+keeps the change only if every chunking agrees bit for bit."""
 from __future__ import annotations
 
 import contextlib
@@ -110,3 +118,102 @@ def make_verify_exact(model: torch.nn.Module) -> int:
             m.forward = types.MethodType(_rowwise_linear, m)
             patched += 1
     return patched
+
+
+# -- the row-invariant draft -------------------------------------------------------------------
+ROW_INVARIANT = "speclab_rowinv"
+ROW_INVARIANT_TYPES = ("llama",)  # causal, full attention, no softcap: what rowinv_attention computes
+CATCHUP_ROWS = 64  # the most tokens one draft read takes (speculative.draft_read); probed up to it
+# Linears see row counts in a multiple of the first of these the probe confirms: on this CPU a
+# 1-row bf16 matmul rounds a row differently from the same row among others (2 suffices), and a
+# 1-, 2-, 3-, 5- or 9-row fp32 one does too (4 does). Padding rows costs little, a row more costs.
+ROW_MULTIPLES = (2, 4)
+PROBE_PROMPT = 8
+
+
+def rowinv_attention(module, query, key, value, attention_mask, scaling=None, **kwargs):
+    """Causal attention for one unpadded sequence (the mask is implied: query row i sees the
+    past and the rows up to itself) whose row i depends only on its own query and keys.
+
+    query: [1, H, q, D]; key/value: [1, Hkv, past + q, D] → ([1, q, H, D], None). Scores, softmax
+    and the weighted sum run in float64: another row count or key count changes the summation
+    order, which moves a float64 result by ~1e-16 relative, far below the bf16/fp32 spacing it is
+    rounded back to (a flip needs a value that close to a rounding boundary)."""
+    b, h, q_len, d = query.shape
+    kv_len, groups = key.shape[2], h // key.shape[1]
+    assert b == 1, "the draft reads one sequence"
+    q = query.double().reshape(b, h // groups, groups * q_len, d)  # query head j·groups + r reads kv head j
+    scores = (q @ key.double().transpose(-1, -2)).reshape(b, h, q_len, kv_len)
+    scores = scores * (scaling if scaling is not None else d**-0.5)
+    rows = torch.arange(q_len, device=query.device)[:, None] + (kv_len - q_len)
+    scores = scores.masked_fill(torch.arange(kv_len, device=query.device)[None, :] > rows, float("-inf"))
+    probs = torch.softmax(scores, dim=-1).reshape(b, h // groups, groups * q_len, kv_len)
+    out = (probs @ value.double()).reshape(b, h, q_len, d).to(query.dtype)
+    return out.transpose(1, 2).contiguous(), None
+
+
+def _padded_linear(self: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
+    rows = x.reshape(-1, x.shape[-1])  # [M, in]
+    m, multiple = rows.shape[0], self.speclab_row_multiple
+    if m % multiple:  # repeat the last row: the kernel sees a row count it rounds alike
+        rows = torch.cat([rows, rows[-1:].expand(multiple - m % multiple, -1)])
+    return F.linear(rows, self.weight, self.bias)[:m].reshape(*x.shape[:-1], -1)
+
+
+def _read(model, ids: list[int], cache):
+    """Logits of the last of `ids` [V] after reading them all in one forward."""
+    x = torch.tensor([ids], device=model.device)
+    out = model(input_ids=x, cache=cache, use_cache=True, logits_to_keep=1)
+    return out.logits[0, -1], out.cache
+
+
+def _reads_agree(model) -> bool:
+    """Does the model reach the same cache and logits reading CATCHUP_ROWS tokens one at a time,
+    all at once, and in uneven chunks?"""
+    from engine.kv import new_cache
+
+    gen = torch.Generator().manual_seed(0)
+    vocab = model.config.get_text_config().vocab_size
+    ids = torch.randint(0, vocab, (PROBE_PROMPT + CATCHUP_ROWS,), generator=gen).tolist()
+    results = []
+    for chunks in ([1] * CATCHUP_ROWS, [CATCHUP_ROWS], [2, 5, 9, 17, 31]):
+        logits, cache = _read(model, ids[:PROBE_PROMPT], new_cache(model))
+        pos = PROBE_PROMPT
+        for n in chunks:
+            logits, cache = _read(model, ids[pos : pos + n], cache)
+            pos += n
+        results.append((logits, [t for layer in cache.layers for t in (layer.keys, layer.values)]))
+    (ref_logits, ref_kv), rest = results[0], results[1:]
+    return all(torch.equal(ref_logits, lg) and all(map(torch.equal, ref_kv, kv)) for lg, kv in rest)
+
+
+@torch.inference_mode()
+def make_row_invariant(model: torch.nn.Module) -> bool:
+    """Gives `model` (a draft) the row-invariant forward (module doc) if the probe confirms it;
+    otherwise leaves it as it was and returns False (other architectures, quantized layers)."""
+    head = model.get_output_embeddings()  # reads only the last row of a draft read (keep = 1)
+    linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear) and m is not head]
+    if model.config.model_type not in ROW_INVARIANT_TYPES or any(type(m) is not torch.nn.Linear for m in linears):
+        return False
+    from transformers import AttentionInterface, AttentionMaskInterface
+    from transformers.masking_utils import sdpa_mask
+
+    AttentionInterface.register(ROW_INVARIANT, rowinv_attention)
+    AttentionMaskInterface.register(ROW_INVARIANT, sdpa_mask)  # masks are built, then unused
+    model._speclab_attn_before = model.config._attn_implementation
+    model.set_attn_implementation(ROW_INVARIANT)
+    for multiple in ROW_MULTIPLES:
+        for m in linears:
+            m.forward, m.speclab_row_multiple = types.MethodType(_padded_linear, m), multiple
+        if _reads_agree(model):
+            return True
+    undo_row_invariant(model)
+    return False
+
+
+def undo_row_invariant(model: torch.nn.Module) -> None:
+    """HF's own forward again (the load-time probe's way back; benchmarks compare the two)."""
+    model.set_attn_implementation(model.__dict__.pop("_speclab_attn_before"))
+    for m in model.modules():
+        if getattr(m.__dict__.get("forward"), "__func__", None) is _padded_linear:
+            del m.forward, m.speclab_row_multiple

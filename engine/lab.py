@@ -455,11 +455,15 @@ def cmd_profile(a: argparse.Namespace) -> int:
 
 
 def sweep_table(runs) -> dict:
-    """Per tier: tokens/s of each policy (all tokens over all wall time of its runs), the best
-    fixed γ, and each adaptive policy against max(ar, best fixed)."""
+    """Per tier: tokens/s of each policy (all tokens over all wall time of its runs; a prompt run
+    several times counts once, at its median wall time, so a passing slowdown of the machine
+    does not land on whichever policy ran then), the best fixed γ, and each adaptive policy
+    against max(ar, best fixed)."""
     out = {}
     for tier, df in runs.groupby("target_tier", sort=True):
-        tps = {pol: float(g["n_tokens"].sum() / (g["wall_ms"].sum() / 1e3)) for pol, g in df.groupby("policy")}
+        per_prompt = df.groupby(["policy", "prompt"])[["n_tokens", "wall_ms"]].median()
+        sums = per_prompt.groupby(level="policy").sum()
+        tps = {pol: float(r.n_tokens / (r.wall_ms / 1e3)) for pol, r in sums.iterrows()}
         fixed = {p: v for p, v in tps.items() if p.startswith("fixed:")}
         best_fixed = max(fixed, key=fixed.get) if fixed else None
         peer = max([tps.get("ar", 0.0)] + ([fixed[best_fixed]] if best_fixed else []))

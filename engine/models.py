@@ -40,6 +40,7 @@ class ModelPair:
     max_context: int
     exact_verify: bool = False  # verify forwards run batch-invariant (engine/invariance.py)
     rowwise_linears: int = 0  # target linears found row-variant and run row by row in verify
+    draft_row_invariant: bool = False  # the draft reads several tokens at once (invariance.make_row_invariant)
 
 
 def _quiet() -> None:
@@ -243,7 +244,11 @@ def load_pair(
     else:
         d_model = load_model(draft, draft_tier, dev, trust_remote_code)
         d_tok = tokenizer if draft == target else load_tokenizer(draft, trust_remote_code)
-    invariance.make_verify_exact(d_model)  # the draft's catch-up reads (speculative.draft_read)
+    # The draft's catch-up reads (speculative.draft_read) must not depend on how many tokens each
+    # takes; row by row (batch-invariant) where its forward cannot be made row-invariant.
+    draft_rowinv = invariance.make_row_invariant(d_model)
+    if not draft_rowinv:
+        invariance.make_verify_exact(d_model)
     vocab = check_vocab(
         tokenizer, d_tok, t_model.config.get_text_config().vocab_size,
         d_model.config.get_text_config().vocab_size, draft_name,
@@ -262,4 +267,5 @@ def load_pair(
         max_context=int(getattr(t_model.config.get_text_config(), "max_position_embeddings", 1 << 30)),
         exact_verify=exact,
         rowwise_linears=rowwise,
+        draft_row_invariant=draft_rowinv,
     )

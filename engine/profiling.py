@@ -4,7 +4,8 @@ A trace records, at every position p of the target's greedy output, what the dra
 from there: its k_max greedy tokens, their entropy/confidence, and L(p), how many of them match
 the target's output. Under greedy decoding the output does not depend on γ, so any policy can be
 replayed over a trace exactly (engine/whatif.py). The draft reads the prompt alone, then one
-token at a time, which is how the engine's batch-invariant catch-up reads it in a live run."""
+token at a time; a live run's catch-up reads several at once, which the draft's row-invariant
+forward (engine/invariance.py) computes bit for bit alike."""
 from __future__ import annotations
 
 import itertools

@@ -85,11 +85,16 @@ def forward_logits(pair: ModelPair, model, ids: list[int], cache, keep: int) -> 
 
 
 def draft_read(pair: ModelPair, feed: list[int], cache) -> tuple[torch.Tensor, object]:
-    """The draft reads tokens it has not seen. Several at once run batch-invariant, so its state
-    at a position never depends on the path (the policy) that led there: what makes the
-    acceptance traces replay live runs exactly (engine/profiling.py)."""
-    with invariance.verifying() if len(feed) > 1 else contextlib.nullcontext():
-        return forward_logits(pair, pair.draft, feed, cache, keep=1)
+    """The draft reads tokens it has not seen. Its state at a position must never depend on the
+    path (the policy) that led there: what makes the acceptance traces replay live runs exactly
+    (engine/profiling.py). A row-invariant draft reads them in chunks the load-time probe
+    checked; any other reads them batch-invariant, row by row (engine/invariance.py)."""
+    if not pair.draft_row_invariant:
+        with invariance.verifying() if len(feed) > 1 else contextlib.nullcontext():
+            return forward_logits(pair, pair.draft, feed, cache, keep=1)
+    for i in range(0, len(feed), invariance.CATCHUP_ROWS):
+        logits, cache = forward_logits(pair, pair.draft, feed[i : i + invariance.CATCHUP_ROWS], cache, keep=1)
+    return logits, cache
 
 
 def warp(logits: torch.Tensor, temperature: float, top_p: float) -> torch.Tensor:

@@ -71,14 +71,20 @@ def from_traces(traces: pd.DataFrame, positions: pd.DataFrame, gammas: tuple[int
         for g in gammas:  # walk the trace as fixed:g would
             pos, prev = 1, None
             while pos < n_out:
-                k = min(g, t.max_new_tokens - pos - 1)
+                left = t.max_new_tokens - pos - 1
+                k = min(g, left)
                 if k < 1:
                     break
                 a = at[pos]
                 n = min(int(a.accept_len), k)
                 if prev is not None:
-                    rows.append([*prev, comp, k]), ys.append(n / k)
-                    groups.append(t.trace_id), strata.append(f"{t.target_tier}/{t.task or '-'}")
+                    # Every γ is labelled here, not only the walk's own: live, the signals of
+                    # a one-token probe are what a γ = 8 decision reads, and a model that had only
+                    # seen 8-token signals beside γ = 8 takes a lone confident token for a
+                    # confident run of eight.
+                    for c in sorted({min(c, left) for c in gammas}):
+                        rows.append([*prev, comp, c]), ys.append(min(int(a.accept_len), c) / c)
+                        groups.append(t.trace_id), strata.append(f"{t.target_tier}/{t.task or '-'}")
                 ent, conf = list(a.entropies[:k]), list(a.confidences[:k])
                 prev = (sum(ent) / k, sum(conf) / k, max(ent), min(conf))
                 pos += n + 1

@@ -32,6 +32,19 @@ def test_controllers_bench_decision_against_sklearn_in_one_run():
     assert res["vs_paper"] == pytest.approx(res["decision_ms_median"] / controllers.PAPER_DECISION_MS)
 
 
+def test_catchup_bench_times_every_way_on_the_same_reads(tiny_pair):
+    from bench import catchup
+
+    res = catchup.measure(tiny_pair, reps=1)
+    assert set(res["ms"]) == {"rowinv", "rows", "hf"}
+    for n in catchup.SIZES:
+        assert all(res["ms"][way][n] > 0 for way in res["ms"])
+        assert res["rows_vs_rowinv"][n] == pytest.approx(res["ms"]["rows"][n] / res["ms"]["rowinv"][n])
+    from engine import invariance
+
+    assert tiny_pair.draft.config._attn_implementation == invariance.ROW_INVARIANT  # the pair's own draft untouched
+
+
 def test_controllers_bench_live_reports_every_policy_per_tier(tiny_dirs, tmp_path):
     import argparse
 
@@ -39,9 +52,15 @@ def test_controllers_bench_live_reports_every_policy_per_tier(tiny_dirs, tmp_pat
 
     target, draft = tiny_dirs
     a = argparse.Namespace(target=str(target), draft=str(draft), draft_tier=None, device="cpu", tiers="fp32",
-                           ks="1,2", per_task=1, train_per_task=1, max_new_tokens=12, db=str(tmp_path / "c.duckdb"))
+                           ks="1,2", per_task=1, train_per_task=1, max_new_tokens=12, db=str(tmp_path / "c.duckdb"),
+                           repeats=2)
     res = controllers.live(a)
     t = res["tiers"]["fp32"]
+    from store import Store
+
+    with Store(str(tmp_path / "c.duckdb"), read_only=True) as st:
+        runs = st.runs(sweep=res["sweep"])
+    assert len(runs) == 4 * 5 * 2  # every (prompt, policy) twice
     assert set(t["tokens_per_s"]) == {"ar", "fixed:1", "fixed:2", "speckv", "rakv"} and t["prompts"] == 4
     assert t["peer"] == pytest.approx(max(t["tokens_per_s"]["ar"], t["tokens_per_s"][t["best_fixed"]]))
     assert t["vs_peer"]["rakv"] == pytest.approx(t["tokens_per_s"]["rakv"] / t["peer"])

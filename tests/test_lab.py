@@ -105,6 +105,42 @@ def test_calibration_scales_each_draft_length_to_its_live_steps():
         calibrate(t, live[:CALIBRATE_MIN])  # plain steps only: nothing says what drafting costs
 
 
+def test_sweep_table_counts_each_prompt_once_at_its_median_wall_time():
+    import pandas as pd
+
+    from engine.lab import sweep_table
+
+    rows = [("ar", "a", 100, [1000, 1010, 5000]), ("ar", "b", 50, [400, 420, 410]),
+            ("fixed:2", "a", 100, [900, 905, 910]), ("fixed:2", "b", 50, [450, 455, 9000]),
+            ("rakv", "a", 100, [950, 940, 960]), ("rakv", "b", 50, [380, 390, 385])]
+    runs = pd.DataFrame([dict(target_tier="bf16", policy=pol, prompt=p, n_tokens=n, wall_ms=w)
+                         for pol, p, n, walls in rows for w in walls])
+    t = sweep_table(runs)["bf16"]
+    # The 5,000 ms and 9,000 ms runs (a stalled machine) do not count: medians 1,010 + 410 ms etc.
+    assert t["tokens_per_s"]["ar"] == pytest.approx(150 / 1.420)
+    assert t["tokens_per_s"]["fixed:2"] == pytest.approx(150 / 1.360)
+    assert t["best_fixed"] == "fixed:2" and t["peer"] == pytest.approx(150 / 1.360)
+    assert t["vs_peer"]["rakv"] == pytest.approx((150 / 1.335) / (150 / 1.360))
+    assert t["prompts"] == 2
+
+
+def test_trace_examples_label_every_gamma_after_every_walked_step():
+    """Live, a one-token probe's signals feed a γ = 8 decision: training must hold such rows."""
+    import pandas as pd
+
+    ents, confs = [0.1 * i for i in range(1, 9)], [1 - 0.1 * i for i in range(1, 9)]
+    traces = pd.DataFrame([dict(trace_id="t", token_ids=list(range(12)), max_new_tokens=12, target_tier="fp32", task="code")])
+    positions = pd.DataFrame([dict(trace_id="t", position=p, accept_len=2, entropies=ents, confidences=confs)
+                              for p in range(1, 12)])
+    ex = from_traces(traces, positions)
+    one = np.isclose(ex.x[:, 0], 0.1) & np.isclose(ex.x[:, 2], 0.1)  # rows after a 1-token step
+    after_one = ex.x[one]
+    labels = dict(zip(after_one[:, 5].astype(int).tolist(), ex.y[one].tolist()))
+    assert set(after_one[:, 5]) == {1, 2, 4, 6, 8}
+    assert labels == {1: 1.0, 2: 1.0, 4: 0.5, 6: pytest.approx(1 / 3), 8: 0.25}  # min(L = 2, γ) / γ
+    assert after_one[0].tolist()[:5] == pytest.approx([0.1, 0.9, 0.1, 0.9, 0])
+
+
 def test_stored_arrays_predict_as_sklearn_does():
     from sklearn.ensemble import RandomForestRegressor
     from sklearn.neural_network import MLPRegressor

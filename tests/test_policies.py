@@ -95,6 +95,22 @@ def test_speckv_follows_its_predictor_and_costs():
     assert paper.choose(unsure).k in (2, 4, 6, 8)  # the paper's grid: never plain decoding
 
 
+def test_speckv_counts_the_predicted_rate_of_each_draft_length():
+    """The MLP predicts accepted / k; a k-token draft then yields 1 + k·rate tokens on average."""
+    import numpy as np
+
+    from engine.controllers import Predictor
+    from engine.policies.speckv import SpeckvPolicy
+
+    rate = 0.5
+    flat = Predictor("mlp", {"w0": np.zeros((6, 1)), "b0": np.array([rate])}, meta={"signal_defaults": [0.5, 0.9, 0.5, 0.9]})
+    pol = SpeckvPolicy(flat, _costs())  # a k-step costs 10 + 1.5·k ms
+    # (1 + 0.5·k) / (10 + 1.5·k) grows with k: draft the most. (Reading the rate as a per-token α
+    # would count 1 + 0.5 + … + 0.5^8 ≈ 2 tokens at k = 8 and stop at k = 2.)
+    assert pol.choose(_state()).k == 8
+    assert pol.last_expected == pytest.approx(1 + 8 * rate)
+
+
 @pytest.mark.parametrize("spec,msg", [
     ("fixed:9", "0 ≤ k ≤ 8"), ("fixed:x", "expected an integer"), ("nope", "unknown policy"),
     ("threshold:2", "0 ≤ c ≤ 1"), ("ar:3", "takes no"), ("rules:1", "takes no"),

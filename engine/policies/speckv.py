@@ -10,8 +10,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from engine.controllers import (PAPER_CANDIDATES, Predictor, candidates, expected_tokens, feature_rows, last_drafting,
-                                signals_before)
+from engine.controllers import PAPER_CANDIDATES, Predictor, candidates, feature_rows, last_drafting, signals_before
 from engine.costs import CostTable
 from engine.policies.base import BasePolicy, probe_due
 from engine.records import Action, DecodeState
@@ -48,9 +47,11 @@ class SpeckvPolicy(BasePolicy):
         ks = np.array(grid)
         # Row k = 0 only fills the batch: a plain step yields exactly one token.
         x = feature_rows(signals_before(state, self.predictor.defaults, drafted), state.target_tier, grid)
-        alpha = self.predictor.predict(x)  # acceptance rate of a k-token draft, per candidate
-        # Expected tokens as a truncated geometric in that rate (DESIGN.md), per measured ms.
-        e = np.where(ks == 0, 1.0, expected_tokens(alpha, ks))
+        rate = self.predictor.predict(x)  # accepted / k of a k-token draft, per candidate
+        # E[tokens] = 1 + α + … + α^k (DESIGN.md) for the per-token α whose drafts keep, on
+        # average, that rate: α + … + α^k = k·rate. Putting the rate itself in for α, as before,
+        # undercounts long drafts (α = 0.7 at k = 4: rate 0.44, 1.76 tokens instead of 2.77).
+        e = 1.0 + ks * rate
         ms = np.array([self.costs.step_ms(int(k), state.context_len) for k in ks])
         best = int(np.argmax(e / ms))
         self._last = (key, int(ks[best]), float(e[best]))

@@ -1,0 +1,95 @@
+"""The draft's catch-up read: what a probe pays after a streak of plain steps. One run, same
+weights, same context, for n = 1, 8, 32, 64 new tokens:
+
+    rowinv     the row-invariant forward reading the n tokens in one go (engine/invariance.py),
+               what the engine does
+    rows       the draft's HF forward reading them row by row, batch-invariant (the way before):
+               also path-independent, the peer
+    hf         HF's own batched read: the floor, but its state depends on the chunking, so a live
+               run would not replay its trace
+
+Run: python bench/catchup.py [--json]   or   python -m engine bench catchup [--json]"""
+from __future__ import annotations
+
+import argparse
+import copy
+import dataclasses
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch  # noqa: E402
+
+from engine import invariance  # noqa: E402
+from engine.cli import add_model_args  # noqa: E402
+from engine.models import ModelPair, load_pair  # noqa: E402
+from engine.prompts import heldout  # noqa: E402
+from engine.speculative import crop_to, draft_read, encode_prompt, forward_logits, sync_device  # noqa: E402
+
+SIZES = (1, 8, 32, 64)
+
+
+def _median_ms(fn, device: torch.device, reps: int) -> float:
+    times = []
+    for _ in range(reps + 2):  # two warm-ups
+        sync_device(device)
+        t0 = time.perf_counter()
+        fn()
+        sync_device(device)
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times[2:]) * 1e3
+
+
+@torch.inference_mode()
+def measure(pair: ModelPair, reps: int = 9) -> dict:
+    assert pair.draft_row_invariant, "this draft could not be made row-invariant; it reads row by row already"
+    rows_draft = copy.deepcopy(pair.draft)
+    invariance.undo_row_invariant(rows_draft)
+    invariance.make_verify_exact(rows_draft)
+    ways = {
+        "rowinv": (pair, draft_read),
+        "rows": (dataclasses.replace(pair, draft=rows_draft, draft_row_invariant=False), draft_read),
+        "hf": (dataclasses.replace(pair, draft=rows_draft), lambda p, feed, c: forward_logits(p, p.draft, feed, c, keep=1)),
+    }
+    ids = encode_prompt(pair.tokenizer, heldout(1)[0][1], chat=True)
+    ids = (ids * (1 + (64 + max(SIZES)) // len(ids)))[: 64 + max(SIZES)]  # a 64-token past, then the reads
+    out: dict[str, dict[int, float]] = {}
+    for name, (p, read) in ways.items():
+        _, cache = forward_logits(p, p.draft, ids[:64], None, keep=1)
+
+        def once(n: int) -> None:
+            read(p, ids[64 : 64 + n], cache)
+            crop_to(cache, 64)
+
+        out[name] = {n: _median_ms(lambda: once(n), p.device, reps) for n in SIZES}
+    return dict(ms=out, rows_vs_rowinv={n: out["rows"][n] / out["rowinv"][n] for n in SIZES},
+                rowinv_vs_hf={n: out["rowinv"][n] / out["hf"][n] for n in SIZES})
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="bench catchup", description=__doc__.splitlines()[0])
+    add_model_args(p)
+    p.add_argument("--reps", type=int, default=9)
+    p.add_argument("--json", action="store_true")
+    a = p.parse_args(argv)
+    pair = load_pair(a.target, a.draft, a.target_tier, a.draft_tier, a.device, a.trust_remote_code)
+    res = measure(pair, a.reps)
+    res.update(draft=pair.draft_name, draft_tier=pair.draft_tier, device=str(pair.device))
+    if a.json:
+        print(json.dumps(res))
+        return 0
+    print(f"draft catch-up read, {pair.draft_name} ({pair.draft_tier}) on {pair.device}, median ms")
+    ms = res["ms"]
+    for n in SIZES:
+        print(f"  {n:3} tokens: row-invariant {ms['rowinv'][n]:6.2f} · row by row {ms['rows'][n]:6.2f} "
+              f"= {res['rows_vs_rowinv'][n]:.2f}× it · HF batched {ms['hf'][n]:6.2f} "
+              f"= {1 / res['rowinv_vs_hf'][n]:.2f}× it")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

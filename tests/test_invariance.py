@@ -1,0 +1,94 @@
+"""The draft's row-invariant forward (engine/invariance.py): reads of any chunking agree bit for
+bit, attention still computes attention, and a model the probe rejects is left as it was."""
+import pytest
+import torch
+
+from engine import invariance
+from engine.kv import new_cache
+from engine.speculative import crop_to, draft_read, forward_logits
+
+
+def _tiny(tmp_path, dtype):
+    from tiny import save_tiny_llama
+    from transformers import AutoModelForCausalLM
+
+    path = save_tiny_llama(tmp_path / "m", seed=3, layers=2, hidden=64)
+    return AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation="sdpa").eval()
+
+
+def test_rowinv_attention_is_causal_attention():
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    class Module:
+        num_key_value_groups, is_causal = 3, True
+
+    gen = torch.Generator().manual_seed(0)
+    past, q_len = 11, 5
+    q = torch.randn(1, 6, q_len, 16, generator=gen)  # [B, H, q, D]
+    k, v = (torch.randn(1, 2, past + q_len, 16, generator=gen) for _ in range(2))  # [B, Hkv, kv, D]
+    mask = (torch.arange(past + q_len)[None, :] <= torch.arange(q_len)[:, None] + past)[None, None]
+    want, _ = sdpa_attention_forward(Module(), q, k, v, mask)
+    got, _ = invariance.rowinv_attention(Module(), q, k, v, None)
+    assert got.shape == want.shape == (1, q_len, 6, 16)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_row_invariant_reads_agree_in_any_chunking(tmp_path, dtype):
+    model = _tiny(tmp_path, dtype)
+    ids = torch.randint(5, 80, (120,), generator=torch.Generator().manual_seed(1)).tolist()
+    with torch.inference_mode():
+        exact, _ = forward_logits_of(_tiny(tmp_path, torch.float64), ids)
+        plain_logits, _ = forward_logits_of(model, ids)
+        assert invariance.make_row_invariant(model)
+        inv_logits, _ = forward_logits_of(model, ids)
+        # The same model, only rounded differently: no further from float64 than HF's own forward.
+        err_plain, err_inv = ((lg.double() - exact).abs().max() for lg in (plain_logits, inv_logits))
+        assert err_inv <= 1.5 * err_plain + 1e-6, (err_inv, err_plain)
+        reads = [_read_in(model, ids, chunks) for chunks in ([1] * 100, [100], [3, 30, 67], [64, 36])]
+    for logits, kv in reads[1:]:
+        assert torch.equal(logits, reads[0][0])
+        assert all(torch.equal(a, b) for a, b in zip(kv, reads[0][1]))
+
+
+def test_a_rejected_model_is_left_as_it_was(tmp_path, monkeypatch):
+    model = _tiny(tmp_path, torch.float32)
+    ids = list(range(5, 40))
+    with torch.inference_mode():
+        before, _ = forward_logits_of(model, ids)
+    monkeypatch.setattr(invariance, "_reads_agree", lambda m: False)
+    assert not invariance.make_row_invariant(model)
+    assert model.config._attn_implementation == "sdpa"
+    assert not any("forward" in m.__dict__ for m in model.modules() if isinstance(m, torch.nn.Linear))
+    with torch.inference_mode():
+        after, _ = forward_logits_of(model, ids)
+    assert torch.equal(before, after)
+
+
+def test_the_pair_reads_its_draft_in_chunks_that_match_one_at_a_time(tiny_pair):
+    """Live catch-up (several tokens) lands where a trace (one at a time) does."""
+    assert tiny_pair.draft_row_invariant
+    ids = [5 + (7 * i) % 70 for i in range(90)]
+    with torch.inference_mode():
+        _, one = forward_logits(tiny_pair, tiny_pair.draft, ids[:10], None, keep=1)
+        for t in ids[10:]:
+            single, one = draft_read(tiny_pair, [t], one)
+        _, many = forward_logits(tiny_pair, tiny_pair.draft, ids[:10], None, keep=1)
+        chunked, many = draft_read(tiny_pair, ids[10:], many)  # 80 tokens: more than CATCHUP_ROWS
+        assert torch.equal(single, chunked)
+        crop_to(one, 50), crop_to(many, 50)
+        assert all(torch.equal(a.keys, b.keys) and torch.equal(a.values, b.values) for a, b in zip(one.layers, many.layers))
+
+
+def forward_logits_of(model, ids):
+    out = model(input_ids=torch.tensor([ids]), cache=new_cache(model), use_cache=True)
+    return out.logits[0].float(), out.cache  # [S, V]
+
+
+def _read_in(model, ids, chunks):
+    cache, pos = new_cache(model), 20
+    out = model(input_ids=torch.tensor([ids[:pos]]), cache=cache, use_cache=True, logits_to_keep=1)
+    for n in chunks:
+        out = model(input_ids=torch.tensor([ids[pos : pos + n]]), cache=out.cache, use_cache=True, logits_to_keep=1)
+        pos += n
+    return out.logits[0, -1], [t for layer in out.cache.layers for t in (layer.keys, layer.values)]
