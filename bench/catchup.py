@@ -15,9 +15,7 @@ import argparse
 import copy
 import dataclasses
 import json
-import statistics
 import sys
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -29,19 +27,18 @@ from engine.cli import add_model_args  # noqa: E402
 from engine.models import ModelPair, load_pair  # noqa: E402
 from engine.prompts import heldout  # noqa: E402
 from engine.speculative import crop_to, draft_read, encode_prompt, forward_logits, sync_device  # noqa: E402
+from engine.training import median_ms  # noqa: E402
 
 SIZES = (1, 8, 32, 64)
 
 
 def _median_ms(fn, device: torch.device, reps: int) -> float:
-    times = []
-    for _ in range(reps + 2):  # two warm-ups
-        sync_device(device)
-        t0 = time.perf_counter()
+    def synced() -> None:  # each call ends synced, so the next one's clock starts on an idle device
         fn()
         sync_device(device)
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times[2:]) * 1e3
+
+    synced(), synced()  # warm-up
+    return median_ms(synced, reps)
 
 
 @torch.inference_mode()

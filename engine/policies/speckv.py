@@ -44,25 +44,26 @@ class SpeckvPolicy(BasePolicy):
         key = (id(drafted), state.target_tier, self.costs.bucket_of(state.context_len), grid)
         if self._last and self._last[0] == key:
             return self._last[1], self._last[2]
-        ks = np.array(grid)
-        # Row k = 0 only fills the batch: a plain step yields exactly one token.
-        x = feature_rows(signals_before(state, self.predictor.defaults, drafted), state.target_tier, grid)
-        rate = self.predictor.predict(x)  # accepted / k of a k-token draft, per candidate
-        # E[tokens] = 1 + α + … + α^k (DESIGN.md) for the per-token α whose drafts keep, on
-        # average, that rate: α + … + α^k = k·rate. Putting the rate itself in for α, as before,
-        # undercounts long drafts (α = 0.7 at k = 4: rate 0.44, 1.76 tokens instead of 2.77).
-        e = 1.0 + ks * rate
+        ks, e = self._expected(state, grid, drafted)
         ms = np.array([self.costs.step_ms(int(k), state.context_len) for k in ks])
         best = int(np.argmax(e / ms))
         self._last = (key, int(ks[best]), float(e[best]))
         return int(ks[best]), float(e[best])
 
     def _paper(self, state: DecodeState) -> tuple[int, float]:
-        ks = np.array(PAPER_CANDIDATES)
-        x = feature_rows(signals_before(state, self.predictor.defaults), state.target_tier, PAPER_CANDIDATES)
-        e = self.predictor.predict(x) * ks + 1.0  # SpecKV: expected tokens = â·γ + 1, cost ignored
+        ks, e = self._expected(state, PAPER_CANDIDATES)  # SpecKV: â·γ + 1, cost ignored
         best = int(np.argmax(e))
         return int(ks[best]), float(e[best])
+
+    def _expected(self, state: DecodeState, grid: tuple[int, ...], drafted=None) -> tuple[np.ndarray, np.ndarray]:
+        """(candidates, E[tokens] of each): 1 + k·rate, where the MLP predicts rate = accepted / k.
+        That is 1 + α + … + α^k (DESIGN.md) for the per-token α whose drafts keep that rate on
+        average (α + … + α^k = k·rate); putting the rate itself in for α, as before, undercounts
+        long drafts (α = 0.7 at k = 4: rate 0.44, 1.76 tokens instead of 2.77). Row k = 0 only
+        fills the batch: a plain step yields exactly one token."""
+        ks = np.array(grid)
+        x = feature_rows(signals_before(state, self.predictor.defaults, drafted), state.target_tier, grid)
+        return ks, 1.0 + ks * self.predictor.predict(x)
 
 
 _OBJECTIVES = {"tps": SpeckvPolicy._tps, "paper": SpeckvPolicy._paper}
