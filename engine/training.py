@@ -32,24 +32,25 @@ TRACE_GAMMAS = (1, 2, 4, 6, 8)
 class Examples:
     x: np.ndarray  # [N, 6] in FEATURES order
     y: np.ndarray  # [N] acceptance rate
-    group: np.ndarray  # [N] prompt/run id: never split across train and test under `prompt`
+    group: np.ndarray  # [N] the prompt's text: never on both sides under `prompt`, at any tier
     stratum: np.ndarray  # [N] "tier/task"
 
 
 def from_speckv_steps(steps: pd.DataFrame, runs: pd.DataFrame) -> Examples:
     # As the paper: γ is the chosen length, the rate is over the tokens actually drafted (the
     # last step of a run may draft fewer).
-    df = steps.merge(runs[["run_id", "task"]], on="run_id")
+    df = steps.merge(runs[["run_id", "task", "prompt"]], on="run_id")
     df = df[df["k_drafted"] > 0]
     x = np.column_stack([df["mean_entropy"], df["mean_confidence"], df["max_entropy"], df["min_confidence"],
                          df["target_tier"].map(compression_code), df["k_chosen"]]).astype(np.float64)
     y = (df["accepted"] / df["k_drafted"]).to_numpy(np.float64)
-    return Examples(x, y, df["run_id"].to_numpy(), (df["target_tier"] + "/" + df["task"].fillna("-")).to_numpy())
+    return Examples(x, y, df["prompt"].to_numpy(), (df["target_tier"] + "/" + df["task"].fillna("-")).to_numpy())
 
 
 def from_live_steps(steps: pd.DataFrame, runs: pd.DataFrame) -> Examples:
     rows, ys, groups, strata = [], [], [], []
     tasks = dict(zip(runs["run_id"], runs["task"].fillna("-")))
+    prompts = dict(zip(runs["run_id"], runs["prompt"]))
     for run_id, st in steps[steps["run_id"].isin(tasks)].groupby("run_id", sort=False):
         prev = None
         for r in st.sort_values("step").itertuples():
@@ -57,7 +58,7 @@ def from_live_steps(steps: pd.DataFrame, runs: pd.DataFrame) -> Examples:
                 if prev is not None:
                     rows.append([*prev, compression_code(r.target_tier), r.k_drafted])
                     ys.append(r.accepted / r.k_drafted)
-                    groups.append(run_id), strata.append(f"{r.target_tier}/{tasks[run_id]}")
+                    groups.append(prompts[run_id]), strata.append(f"{r.target_tier}/{tasks[run_id]}")
                 prev = (r.mean_entropy, r.mean_confidence, r.max_entropy, r.min_confidence)
     return _examples(rows, ys, groups, strata)
 
@@ -84,7 +85,7 @@ def from_traces(traces: pd.DataFrame, positions: pd.DataFrame, gammas: tuple[int
                     # confident run of eight.
                     for c in sorted({min(c, left) for c in gammas}):
                         rows.append([*prev, comp, c]), ys.append(min(int(a.accept_len), c) / c)
-                        groups.append(t.trace_id), strata.append(f"{t.target_tier}/{t.task or '-'}")
+                        groups.append(t.prompt), strata.append(f"{t.target_tier}/{t.task or '-'}")
                 ent, conf = list(a.entropies[:k]), list(a.confidences[:k])
                 prev = (sum(ent) / k, sum(conf) / k, max(ent), min(conf))
                 pos += n + 1
@@ -105,11 +106,16 @@ def split(ex: Examples, protocol: str, seed: int = 42) -> tuple[np.ndarray, np.n
 
         return train_test_split(np.arange(len(ex.y)), test_size=0.2, random_state=seed, stratify=ex.stratum)
     if protocol == "prompt":
+        # Groups are prompt texts, not trace or run ids: a prompt traced at two tiers, or run by
+        # several policies, must not train on one side and test on the other (the draft's signals
+        # on it barely change), and random ids made the split differ between equal databases.
+        # A prompt's stratum is the set of tier/task strata it appears in.
+        of = {g: "+".join(sorted(set(ex.stratum[ex.group == g]))) for g in sorted(set(ex.group))}
         rng = random.Random(seed)
         test_groups: set = set()
         pool: list = []  # prompts alone in their stratum are split together
-        for s in sorted(set(ex.stratum)):
-            gs = sorted(set(ex.group[ex.stratum == s]))
+        for s in sorted(set(of.values())):
+            gs = [g for g in of if of[g] == s]
             if len(gs) == 1:
                 pool += gs
                 continue

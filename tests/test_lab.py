@@ -129,7 +129,8 @@ def test_trace_examples_label_every_gamma_after_every_walked_step():
     import pandas as pd
 
     ents, confs = [0.1 * i for i in range(1, 9)], [1 - 0.1 * i for i in range(1, 9)]
-    traces = pd.DataFrame([dict(trace_id="t", token_ids=list(range(12)), max_new_tokens=12, target_tier="fp32", task="code")])
+    traces = pd.DataFrame([dict(trace_id="t", token_ids=list(range(12)), max_new_tokens=12, target_tier="fp32", task="code",
+                                prompt="p")])
     positions = pd.DataFrame([dict(trace_id="t", position=p, accept_len=2, entropies=ents, confidences=confs)
                               for p in range(1, 12)])
     ex = from_traces(traces, positions)
@@ -139,6 +140,22 @@ def test_trace_examples_label_every_gamma_after_every_walked_step():
     assert set(after_one[:, 5]) == {1, 2, 4, 6, 8}
     assert labels == {1: 1.0, 2: 1.0, 4: 0.5, 6: pytest.approx(1 / 3), 8: 0.25}  # min(L = 2, γ) / γ
     assert after_one[0].tolist()[:5] == pytest.approx([0.1, 0.9, 0.1, 0.9, 0])
+
+
+def test_prompt_split_keeps_a_prompt_on_one_side_at_every_tier():
+    """Groups are prompt texts: a prompt traced at fp32 and bf16 is trained or tested on at both,
+    and the split does not depend on ids or on the order of the examples."""
+    from engine.training import Examples, split
+
+    rows = [(f"p{i}", tier, ("code", "chat")[i % 2]) for i in range(10) for tier in ("fp32", "bf16") for _ in range(3)]
+    group, stratum = np.array([r[0] for r in rows]), np.array([f"{r[1]}/{r[2]}" for r in rows])
+    ex = Examples(np.zeros((len(rows), 6)), np.zeros(len(rows)), group, stratum)
+    train, test = split(ex, "prompt")
+    assert not set(group[train]) & set(group[test])
+    assert len(set(group[test])) == 2 and set(stratum[test]) == set(stratum)  # 1 of 5 per task, every tier × task
+    perm = np.random.default_rng(0).permutation(len(rows))
+    _, test2 = split(Examples(ex.x[perm], ex.y[perm], group[perm], stratum[perm]), "prompt")
+    assert set(group[perm][test2]) == set(group[test])
 
 
 def test_stored_arrays_predict_as_sklearn_does():

@@ -66,22 +66,38 @@ def test_rakv_speculates_only_when_it_pays():
 
 
 def test_probes_back_off_when_they_do_not_pay():
+    from dataclasses import replace
+
     from engine.policies.base import PROBE_AFTER, PROBE_MAX, probe_due
 
-    plain, probe, spec = _rec(0, 0, 0), _rec(1, 1, 0), _rec(4, 4, 3)
-    assert not probe_due(_state([plain] * (PROBE_AFTER - 1)))
-    assert probe_due(_state([plain] * PROBE_AFTER))
+    costs = _costs()  # a step drafting k costs 10 + 1.5·k ms: plain decoding, 10 ms a token
+    due = lambda hist: probe_due(_state(hist), costs)  # noqa: E731
+    plain, probe, spec, dud = _rec(0, 0, 0), _rec(1, 1, 0), _rec(4, 4, 3), _rec(4, 4, 0)
+    assert not due([plain] * (PROBE_AFTER - 1))
+    assert due([plain] * PROBE_AFTER)
     # One probe led straight back to plain decoding: the next waits twice as long, then 4×, …
     one = [plain] * PROBE_AFTER + [probe]
-    assert not probe_due(_state(one + [plain] * (2 * PROBE_AFTER - 1)))
-    assert probe_due(_state(one + [plain] * 2 * PROBE_AFTER))
+    assert not due(one + [plain] * (2 * PROBE_AFTER - 1))
+    assert due(one + [plain] * 2 * PROBE_AFTER)
     two = one + [plain] * 2 * PROBE_AFTER + [probe]
-    assert not probe_due(_state(two + [plain] * (4 * PROBE_AFTER - 1)))
+    assert not due(two + [plain] * (4 * PROBE_AFTER - 1))
     many = ([plain] * PROBE_MAX + [probe]) * 6
-    assert probe_due(_state(many + [plain] * PROBE_MAX))  # never waits longer than PROBE_MAX
-    # A probe that paid (the policy went on drafting) resets the wait.
+    assert due(many + [plain] * PROBE_MAX)  # never waits longer than PROBE_MAX
+    # A probe whose run paid (4 tokens for 16 ms after it, 40 ms plain) resets the wait …
     paid = two + [plain] * 4 * PROBE_AFTER + [probe, spec, spec]
-    assert probe_due(_state(paid + [plain] * PROBE_AFTER))
+    assert due(paid + [plain] * PROBE_AFTER)
+    # … one the policy went on with but that bought nothing (drafts rejected) counts as failed.
+    bought_nothing = two + [plain] * 4 * PROBE_AFTER + [probe, dud, dud]
+    assert not due(bought_nothing + [plain] * (8 * PROBE_AFTER - 1))
+    assert due(bought_nothing + [plain] * 8 * PROBE_AFTER)
+    # So does a generation's opening run (right after the prefill, step 0) that bought nothing,
+    # and an opening with plain decoding: the policy's verdict on typical signals.
+    prefill = replace(plain, step=0)
+    assert not due([prefill, dud, dud] + [plain] * PROBE_AFTER)
+    assert due([prefill, spec, spec] + [plain] * PROBE_AFTER)
+    assert not due([prefill] + [plain] * (2 * PROBE_AFTER - 1))
+    assert due([prefill] + [plain] * 2 * PROBE_AFTER)
+    assert not due([prefill] + [plain] * 2 * PROBE_AFTER + [probe] + [plain] * (4 * PROBE_AFTER - 1))
 
 
 def test_speckv_follows_its_predictor_and_costs():
@@ -109,6 +125,30 @@ def test_speckv_counts_the_predicted_rate_of_each_draft_length():
     # would count 1 + 0.5 + … + 0.5^8 ≈ 2 tokens at k = 8 and stop at k = 2.)
     assert pol.choose(_state()).k == 8
     assert pol.last_expected == pytest.approx(1 + 8 * rate)
+
+
+def test_speckv_scales_its_predictor_by_what_this_generation_accepted():
+    import numpy as np
+
+    from engine.controllers import Predictor
+    from engine.policies.speckv import FEEDBACK_PRIOR, SpeckvPolicy
+
+    rate = 0.5
+    flat = Predictor("mlp", {"w0": np.zeros((6, 1)), "b0": np.array([rate])}, meta={"signal_defaults": [0.5, 0.9, 0.5, 0.9]})
+    pol = SpeckvPolicy(flat, _costs())  # a k-step costs 10 + 1.5·k ms
+    assert pol.choose(_state()).k == 8
+    pol.observe(_rec(8, 8, 0))  # 4 tokens predicted, none accepted: the rate is scaled by 4 / 8
+    assert pol.choose(_state()).k == 8
+    assert pol.last_expected == pytest.approx(1 + 8 * rate * FEEDBACK_PRIOR / (FEEDBACK_PRIOR + 8 * rate))
+    pol.observe(_rec(8, 8, 0))
+    pol.observe(_rec(8, 8, 0))  # 12 predicted, 0 accepted: rate 0.125, (1 + k/8) / (10 + 1.5·k) peaks at k = 0
+    assert pol.choose(_state()).k == 0
+    streak = _state([_rec(0, 0, 0)] * 8)
+    assert pol.choose(streak).k == 1  # a probe: no prediction behind it, so its outcome is not counted
+    pol.observe(_rec(1, 1, 1))
+    assert pol.choose(_state()).k == 0
+    pol.reset()  # a new generation starts from the predictor alone
+    assert pol.choose(_state()).k == 8
 
 
 @pytest.mark.parametrize("spec,msg", [

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from typing import Protocol, runtime_checkable
 
+from engine.costs import CostTable
 from engine.records import Action, DecodeState, DraftToken, StepRecord
 
 
@@ -48,7 +49,7 @@ class BasePolicy:
 # Plain (k = 0) steps teach an adaptive policy nothing about acceptance, so after PROBE_AFTER of
 # them in a row `speckv` and `rakv` draft one token to refresh what they know. A probe costs a
 # little when speculation does not pay (a tier where the target is cheap, a text the draft gets
-# wrong), so each probe that led straight back to plain decoding doubles the wait, up to PROBE_MAX.
+# wrong), so each drafting run that bought nothing doubles the wait, up to PROBE_MAX.
 PROBE_AFTER = 8
 PROBE_MAX = 64
 
@@ -57,17 +58,41 @@ def _plain(rec: StepRecord) -> bool:
     return rec.step > 0 and rec.k_chosen == 0
 
 
-def probe_due(state: DecodeState) -> bool:
+def _paid(run: list[StepRecord], costs: CostTable) -> bool:
+    """Whether a drafting run between plain steps beat plain decoding after its first step (the
+    one that found it: a probe, or the opening guess). Judged by outcome in the cost table's time,
+    not by the policy's hopes: a probe whose token was accepted and that led to one unlucky k = 2
+    step bought nothing, and going by "the policy went on drafting" (as before) reset the wait to
+    PROBE_AFTER after it, again and again on a tier where drafting barely pays. The table's time,
+    not the measured one, keeps replay exact."""
+    bought = run[1:]
+    ms = sum(costs.step_ms(r.k_drafted, r.context_len) for r in bought)
+    plain_ms = sum(r.emitted * costs.step_ms(0, r.context_len) for r in bought)
+    return bool(bought) and plain_ms > ms
+
+
+def probe_due(state: DecodeState, costs: CostTable) -> bool:
     """Whether this step should draft one token to probe acceptance (see PROBE_AFTER)."""
     hist, i = state.history, len(state.history) - 1
     streak = 0
     while i >= 0 and _plain(hist[i]):
         streak, i = streak + 1, i - 1
     wait = PROBE_AFTER
-    # Walking back: … plain, drafting step, plain × streak. A drafting step between plain ones
-    # is a probe that did not pay (or a lone draft: the same lesson).
-    while wait < PROBE_MAX and i >= 1 and hist[i].k_chosen > 0 and _plain(hist[i - 1]):
-        wait, i = wait * 2, i - 1
+    # Walking back: … plain, drafting run hist[j+1 .. i], plain × streak; each run that did not
+    # pay doubles the wait, the newest one that did ends the walk. At the prefill (hist[0]) the
+    # walk ends; a generation that opened with plain decoding counts as one run that bought
+    # nothing: the policy's verdict on the typical signals (speckv's defaults, rakv's prior α0)
+    # is the first evidence that drafting rarely pays on this tier.
+    while wait < PROBE_MAX and i >= 0:
+        j = i
+        while j >= 1 and not _plain(hist[j]):
+            j -= 1
+        if _paid(hist[j + 1 : i + 1], costs):
+            break
+        wait *= 2
+        if j == 0:
+            break
+        i = j
         while i >= 0 and _plain(hist[i]):
             i -= 1
     return streak >= min(wait, PROBE_MAX)

@@ -27,7 +27,7 @@ class RakvPolicy(BasePolicy):
         self._last: tuple = ()  # (inputs, k) of the last decision: plain streaks repeat it
 
     def choose(self, state: DecodeState) -> Action:
-        if probe_due(state):
+        if probe_due(state, self.costs):
             return Action(k=1)
         n = state.alpha_trials if state.alpha_ewma is not None else 0.0
         alpha = ((state.alpha_ewma or 0.0) * n + self.alpha0 * PRIOR_TRIALS) / (n + PRIOR_TRIALS)
