@@ -369,7 +369,8 @@ def _examples(st, source: str, sweep: str | None):
         traces = st.traces()
         if not len(traces):
             raise ValueError(f"no traces in {st.path}: run `python -m engine trace` first")
-        return T.from_traces(traces, st.trace_positions()), lambda mlp, prompts: _replay_gain(st, mlp, prompts)
+        ids_of = lambda prompts: set(traces.loc[traces["prompt"].isin(prompts), "trace_id"])  # noqa: E731
+        return T.from_traces(traces, st.trace_positions()), lambda mlp, prompts: _replay_gain(st, mlp, ids_of(prompts))
     origin = "speckv" if source == "speckv" else "speclab"  # runs.source: imported or our own
     runs = st.runs(source=origin) if sweep is None else st.runs(source=origin, sweep=sweep)
     if not len(runs):
@@ -381,14 +382,12 @@ def _examples(st, source: str, sweep: str | None):
     return make(steps, runs), None
 
 
-def _replay_gain(st, mlp, prompts: set) -> dict:
+def _replay_gain(st, mlp, trace_ids: set) -> dict:
     """Exact replay over the test prompts' traces: the new controller vs fixed:4 and the best
     fixed γ per tier, in modelled tokens/s (summed over tiers)."""
     from engine.policies.speckv import SpeckvPolicy
     from engine.whatif import summarize
 
-    traces = st.traces()
-    trace_ids = set(traces.loc[traces["prompt"].isin(prompts), "trace_id"])
     fixed = ["ar"] + [f"fixed:{k}" for k in range(1, 9)]
     new = lambda ctx: SpeckvPolicy(mlp, ctx.need_costs("speckv"), name="speckv (new)")  # noqa: E731
     rows = [r for r in summarize(replay_all(st, fixed + [new], trace_ids=trace_ids)) if r["task"] == "all"]

@@ -110,7 +110,8 @@ def split(ex: Examples, protocol: str, seed: int = 42) -> tuple[np.ndarray, np.n
         # several policies, must not train on one side and test on the other (the draft's signals
         # on it barely change), and random ids made the split differ between equal databases.
         # A prompt's stratum is the set of tier/task strata it appears in.
-        of = {g: "+".join(sorted(set(ex.stratum[ex.group == g]))) for g in sorted(set(ex.group))}
+        pairs = pd.DataFrame({"group": ex.group, "stratum": ex.stratum}).drop_duplicates()
+        of = pairs.groupby("group")["stratum"].agg(lambda s: "+".join(sorted(s))).to_dict()  # sorted by group
         rng = random.Random(seed)
         test_groups: set = set()
         pool: list = []  # prompts alone in their stratum are split together
