@@ -7,7 +7,7 @@ STAMP  := $(VENV)/.installed
 export HF_HUB_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: setup run test bench clean
+.PHONY: setup run test test-fast bench clean
 
 setup: $(STAMP)
 	@$(PY) -m engine setup
@@ -25,6 +25,10 @@ run: setup
 
 test: setup
 	$(PY) -m pytest -q
+
+# Everyday work: everything but the tests marked slow (pytest.ini), in under two minutes here.
+test-fast: setup
+	$(PY) -m pytest -q -m "not slow"
 
 bench: setup
 	$(PY) -m engine bench decode

@@ -10,7 +10,7 @@ st.set_page_config(page_title="SpecLab", page_icon=":material/speed:", layout="w
 # One line per page; the first is the default.
 PAGES = [
     st.Page("pages/live.py", title="Live decode", icon=":material/bolt:", default=True),
-    st.Page("pages/controllers.py", title="Replay & retrain", icon=":material/model_training:"),
+    st.Page("pages/replay.py", title="Replay & retrain", icon=":material/model_training:"),
 ]
 
 page = st.navigation(PAGES)

@@ -23,46 +23,41 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 
 from engine import invariance  # noqa: E402
-from engine.cli import add_model_args  # noqa: E402
+from engine.args import add_model_args  # noqa: E402
 from engine.models import ModelPair, load_pair  # noqa: E402
 from engine.prompts import heldout  # noqa: E402
-from engine.speculative import crop_to, draft_read, encode_prompt, forward_logits, sync_device  # noqa: E402
-from engine.training import median_ms  # noqa: E402
+from engine.common import median_ms  # noqa: E402
+from engine.forward import crop_to, forward_logits, sync_device  # noqa: E402
+from engine.generation import encode_prompt  # noqa: E402
+from engine.oracles.model import draft_read  # noqa: E402
 
 SIZES = (1, 8, 32, 64)
 
 
-def _median_ms(fn, device: torch.device, reps: int) -> float:
-    def synced() -> None:  # each call ends synced, so the next one's clock starts on an idle device
-        fn()
-        sync_device(device)
-
-    synced(), synced()  # warm-up
-    return median_ms(synced, reps)
-
-
 @torch.inference_mode()
 def measure(pair: ModelPair, reps: int = 9) -> dict:
-    assert pair.draft_row_invariant, "this draft could not be made row-invariant; it reads row by row already"
+    if not pair.draft_row_invariant:
+        raise ValueError("the load-time probe found no row-invariant forward for this draft on this machine: "
+                         "it reads row by row already, there is nothing to compare")
     rows_draft = copy.deepcopy(pair.draft)
     invariance.undo_row_invariant(rows_draft)
     invariance.make_verify_exact(rows_draft)
     ways = {
         "rowinv": (pair, draft_read),
         "rows": (dataclasses.replace(pair, draft=rows_draft, draft_row_invariant=False), draft_read),
-        "hf": (dataclasses.replace(pair, draft=rows_draft), lambda p, feed, c: forward_logits(p, p.draft, feed, c, keep=1)),
+        "hf": (dataclasses.replace(pair, draft=rows_draft), lambda p, feed, c: forward_logits(p.draft, feed, c, 1, p.vocab_size)),
     }
     ids = encode_prompt(pair.tokenizer, heldout(1)[0][1], chat=True)
     ids = (ids * (1 + (64 + max(SIZES)) // len(ids)))[: 64 + max(SIZES)]  # a 64-token past, then the reads
     out: dict[str, dict[int, float]] = {}
     for name, (p, read) in ways.items():
-        _, cache = forward_logits(p, p.draft, ids[:64], None, keep=1)
+        _, cache = forward_logits(p.draft, ids[:64], None, 1, p.vocab_size)
 
         def once(n: int) -> None:
             read(p, ids[64 : 64 + n], cache)
             crop_to(cache, 64)
 
-        out[name] = {n: _median_ms(lambda: once(n), p.device, reps) for n in SIZES}
+        out[name] = {n: median_ms(lambda: once(n), reps, warmup=2, sync=lambda: sync_device(p.device)) for n in SIZES}
     return dict(ms=out, rows_vs_rowinv={n: out["rows"][n] / out["rowinv"][n] for n in SIZES},
                 rowinv_vs_hf={n: out["rowinv"][n] / out["hf"][n] for n in SIZES})
 

@@ -33,12 +33,13 @@ SPECKV_CSV = Path(__file__).resolve().parents[1] / "engine" / "data" / "speckv-p
 def decision(csv: Path, n: int = 5000) -> dict:
     from sklearn.neural_network import MLPRegressor
 
-    from engine.controllers import PAPER_CANDIDATES, feature_rows
+    from engine.common import median_ms
+    from engine.importers.speckv import import_speckv
     from engine.policies.speckv import SpeckvPolicy
+    from engine.predictor import PAPER_CANDIDATES, feature_rows, tokens_from_rate
     from engine.records import DecodeState
-    from engine.training import fit_mlp, from_speckv_steps, median_ms
+    from engine.retrain import fit_mlp, from_speckv_steps
     from store import Store
-    from store.speckv import import_speckv
 
     with Store(":memory:") as st:
         import_speckv(st, csv)
@@ -51,12 +52,13 @@ def decision(csv: Path, n: int = 5000) -> dict:
         sig = ours.predictor.defaults
         best, val = 0, -1.0
         for g in PAPER_CANDIDATES:
-            e = float(np.clip(ref.predict(feature_rows(sig, "int8", (g,)))[0], 0, 1)) * g + 1
+            e = tokens_from_rate(g, float(np.clip(ref.predict(feature_rows(sig, "int8", (g,)))[0], 0, 1)))
             best, val = (g, e) if e > val else (best, val)
         return best
 
-    ms = median_ms(lambda: ours.choose(state), n)
-    sk = median_ms(sklearn_decision, max(200, n // 10))
+    ms = median_ms(lambda: ours.choose(state), n - n // 10, warmup=n // 10)
+    sk_n = max(200, n // 10)
+    sk = median_ms(sklearn_decision, sk_n - sk_n // 10, warmup=sk_n // 10)
     return dict(decision_ms_median=ms, sklearn_decision_ms_median=sk, speedup_vs_sklearn=sk / ms,
                 paper_decision_ms=PAPER_DECISION_MS, vs_paper=ms / PAPER_DECISION_MS, decisions=n)
 
@@ -75,9 +77,9 @@ def split_heldout(prompts: list[tuple[str, str]], n_train: int, n_eval: int) -> 
 
 def live(a: argparse.Namespace) -> dict:
     from engine import prompts as P
-    from engine.lab import calibrate_costs, cost_key, cost_table, policy_context, retrain, sweep_table
     from engine.models import load_pair
-    from engine.profiling import Job, run_job, trace
+    from engine.profiling import Job, run_job
+    from engine.service import calibrate_costs, cost_key, cost_table, policy_context, retrain, sweep_table, trace_prompts
     from store import Store
 
     db = a.db or str(Path(tempfile.mkdtemp(prefix="speclab-bench-")) / "controllers.duckdb")
@@ -90,11 +92,8 @@ def live(a: argparse.Namespace) -> dict:
         for tier in tiers:  # per tier, on the training prompts: costs, traces, calibration runs
             pair = load_pair(a.target, a.draft, tier, a.draft_tier, a.device)
             cost_table(st, pair)
-            have = set(st.traces(target_tier=tier)["prompt"])
+            trace_prompts(st, pair, train_prompts, a.max_new_tokens)
             for task, prompt in train_prompts:
-                if prompt not in have:
-                    tr = trace(pair, prompt, task, a.max_new_tokens)
-                    st.add_trace(tr.row, tr.positions)
                 for pol in CALIBRATION_POLICIES:  # live steps the costs are calibrated with (not judged)
                     row, steps = run_job(pair, Job(tier, task, prompt, pol), None, a.max_new_tokens)
                     st.add_run(dict(row, sweep=f"{sweep}-calibration"), steps)
@@ -147,7 +146,7 @@ def main(argv: list[str] | None = None) -> int:
               f"  → ours {res['speedup_vs_sklearn']:.1f}× faster\n"
               f"  paper's published figure:                            {PAPER_DECISION_MS} ms → ours {res['vs_paper']:.3f}× of it")
     else:
-        from engine.lab import format_sweep
+        from engine.service import format_sweep
 
         print(format_sweep(res["tiers"]))
         print(f"(data in {res['db']}, sweep {res['sweep']})")

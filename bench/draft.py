@@ -12,21 +12,21 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
-from engine.cli import add_model_args  # noqa: E402
+from engine.args import add_model_args  # noqa: E402
 from engine.kv import new_cache  # noqa: E402
 from engine.models import ModelPair, load_pair  # noqa: E402
 from engine.policies import make_policy  # noqa: E402
 from engine.prompts import heldout  # noqa: E402
-from engine.speculative import Generation, GenConfig, encode_prompt, sync_device  # noqa: E402
+from engine.common import median_ms  # noqa: E402
+from engine.forward import sync_device  # noqa: E402
+from engine.generation import Generation, GenConfig, encode_prompt  # noqa: E402
 
 
 @torch.inference_mode()
@@ -46,15 +46,12 @@ def per_token_ms(model, ids: list[int], device: torch.device, n: int = 24) -> fl
     cache = new_cache(model)
     model(torch.tensor([ids], device=device), cache=cache, use_cache=True, logits_to_keep=1)
     x = torch.tensor([[ids[-1]]], device=device)
-    times = []
-    for _ in range(n + 3):
-        sync_device(device)
-        t0 = time.perf_counter()
+
+    def once() -> None:
         model(x, cache=cache, use_cache=True, logits_to_keep=1)
-        sync_device(device)
-        times.append(time.perf_counter() - t0)
         cache.crop(-1)
-    return statistics.median(times[3:]) * 1e3
+
+    return median_ms(once, n, warmup=3, sync=lambda: sync_device(device))
 
 
 def measure(pair: ModelPair, per_task: int, max_new: int, ks: list[int]) -> dict:

@@ -1,4 +1,7 @@
-"""`python -m engine <command>`: everything the workbench does, headless."""
+"""`python -m engine <command>`: everything the workbench does, headless.
+
+Parsing and printing only: each command is one call into engine/service.py or the module that
+does the work."""
 from __future__ import annotations
 
 import argparse
@@ -8,11 +11,18 @@ import json
 import os
 import sys
 from pathlib import Path
-from engine.models import EMBEDDED, TIERS
-from engine.policies import POLICY_EXAMPLES
+from typing import Callable, Iterator
 
-DEFAULT_DB = "speclab.duckdb"
+from engine.args import add_db_arg, add_model_args
+from engine.common import csv_list, one_line
+from engine.costs import REPS
+from engine.policies import POLICY_EXAMPLES
+from engine.service import TRACE_POLICIES
+
 REPO_ROOT = Path(__file__).resolve().parents[1]
+TIERS_ARG = ("--tiers", dict(default="fp32", help="comma-separated target tiers"))
+JSON_ARG = ("--json", dict(action="store_true", help="print JSON instead of text"))
+PROMPTS_ARG = ("--prompts", dict(default="heldout", help="prompt set: heldout, bench or train"))
 
 
 class UsageError(ValueError):
@@ -24,50 +34,112 @@ class _Parser(argparse.ArgumentParser):
         raise UsageError(f"{self.prog}: {message}")
 
 
-def add_model_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--target", default=None, help=f"HF id or local dir (default: {EMBEDDED})")
-    p.add_argument("--draft", default=None, help="HF id or local dir (default: the target at nf4)")
-    p.add_argument("--target-tier", default="fp32", choices=TIERS)
-    p.add_argument("--draft-tier", default=None, choices=TIERS)
-    p.add_argument("--device", default=None, help="cpu, cuda, cuda:N (default: CUDA if present)")
-    p.add_argument("--trust-remote-code", action="store_true", help="run a model repo's own code")
+# name → (help, the function, its arguments as (flag, add_argument kwargs), model args?, db help)
+COMMANDS: dict[str, tuple[str, Callable, list, bool, str | None]] = {}
 
 
-def _add_generate(sub) -> None:
-    p = sub.add_parser("generate", help="generate once, stream the text, store the run")
-    p.add_argument("--prompt", required=True)
-    p.add_argument("--chat", action="store_true", help="apply the tokenizer's chat template")
-    add_model_args(p)
-    p.add_argument("--policy", default="fixed:4", help=f"one of {', '.join(POLICY_EXAMPLES)}")
-    p.add_argument("--max-new-tokens", type=int, default=128)
-    p.add_argument("--temperature", type=float, default=0.0)
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--seed", type=int, default=None)
-    p.add_argument("--task", default=None, help="label stored with the run (code, math, …)")
-    p.add_argument("--db", default=os.environ.get("SPECLAB_DB", DEFAULT_DB),
-                   help="DuckDB file for the run; '' stores nothing")
-    p.add_argument("--json", action="store_true", help="print one JSON object instead of the text")
-    p.set_defaults(func=cmd_generate)
+def command(name: str, help: str, *args: tuple, models: bool = False, db: str | None = None):
+    def register(fn: Callable[[argparse.Namespace], int]) -> Callable:
+        COMMANDS[name] = (help, fn, list(args), models, db)
+        return fn
+    return register
 
 
-def _add_bench(sub) -> None:
-    p = sub.add_parser("bench", help="benchmarks against peers, run as in bench/")
-    p.add_argument("name", help="benchmark name: a file bench/<name>.py")
-    p.add_argument("args", nargs=argparse.REMAINDER, help="passed on to the benchmark")
-    p.set_defaults(func=cmd_bench)
+def _say(message: str) -> None:
+    print(message, file=sys.stderr)
 
 
-def _add_import_speckv(sub) -> None:
-    p = sub.add_parser("import-speckv", help="import SpecKV's phase-2 step CSV as runs (source speckv)")
-    p.add_argument("path", help="phase2_step_results.csv")
-    p.add_argument("--db", default=DEFAULT_DB, help=f"DuckDB file to import into (default: {DEFAULT_DB})")
-    p.add_argument("--json", action="store_true", help="print one JSON object")
-    p.set_defaults(func=cmd_import_speckv)
+def _load(a: argparse.Namespace, tier: str, progress: Callable[[str], None] = _say):
+    from engine.models import load_pair
+
+    return load_pair(a.target, a.draft, tier, a.draft_tier, a.device, a.trust_remote_code, progress=progress)
 
 
+def _pairs(a: argparse.Namespace, tiers: list[str]) -> Iterator:
+    """The pair at each tier, loaded when the caller gets to it."""
+    for tier in tiers:
+        yield _load(a, tier)
+
+
+def _bar(desc: str, unit: str = "run"):
+    from tqdm import tqdm
+
+    return tqdm(total=0, desc=desc, unit=unit, file=sys.stderr)
+
+
+def _open_or_fail(db: str) -> None:
+    """A corrupt or locked file fails now, not after minutes of work; released at once."""
+    if db:
+        from store import Store
+
+        with Store(db, wait_s=0.0):
+            pass
+
+
+# -- generate and the one-off commands -------------------------------------------------------------
+@command("generate", "generate once, stream the text, store the run",
+         ("--prompt", dict(required=True)), ("--chat", dict(action="store_true", help="apply the chat template")),
+         ("--policy", dict(default="fixed:4", help=f"one of {', '.join(POLICY_EXAMPLES)}")),
+         ("--max-new-tokens", dict(type=int, default=128)), ("--temperature", dict(type=float, default=0.0)),
+         ("--top-p", dict(type=float, default=1.0)), ("--seed", dict(type=int, default=None)),
+         ("--task", dict(default=None, help="label stored with the run (code, math, …)")),
+         ("--json", dict(action="store_true", help="print one JSON object instead of the text")),
+         models=True, db="DuckDB file for the run; '' stores nothing")
+def cmd_generate(a: argparse.Namespace) -> int:
+    from engine.generation import Generation, GenConfig, encode_prompt, run_row
+    from engine.policies import make_policy, parse_policy
+    from engine.service import context_for, store_run
+
+    parse_policy(a.policy)  # before loading models: a typo should fail in milliseconds
+    cfg = GenConfig(max_new_tokens=a.max_new_tokens, temperature=a.temperature, top_p=a.top_p, seed=a.seed)
+    cfg.validate()
+    _open_or_fail(a.db)
+    pair = _load(a, a.target_tier, progress=lambda m: None)
+    policy = make_policy(a.policy, context_for(a.db, pair, a.policy, _say))  # speckv/rakv: costs, controller
+    gen = Generation(pair, encode_prompt(pair.tokenizer, a.prompt, a.chat), policy, cfg)
+    shown = ""
+    for _ in gen:
+        if not a.json:  # stream: print what the new tokens add to the decoded text
+            text = pair.tokenizer.decode(gen.token_ids, skip_special_tokens=True)
+            print(text[len(shown):], end="", flush=True)
+            shown = text
+    row = run_row(gen, a.prompt, policy.name, a.chat, a.task)
+    steps = [dataclasses.asdict(r) for r in gen.records]
+    run_id = None
+    if a.db:
+        run_id, staged, note = store_run(a.db, row, steps)
+        if staged:
+            _say(f"warning: {note}")
+    s = gen.summary
+    if a.json:
+        print(json.dumps(dict(
+            text=row["output"], token_ids=gen.token_ids, tokens_per_s=s.tokens_per_s,
+            ttft_ms=s.ttft_ms, mean_accepted=s.mean_accepted, acceptance_rate=s.acceptance_rate,
+            tokens_per_step=s.tokens_per_step, n_tokens=s.n_tokens, n_steps=s.n_steps,
+            stop_reason=s.stop_reason, policy=policy.name, target=pair.target_name,
+            draft=pair.draft_name, target_tier=pair.target_tier, draft_tier=pair.draft_tier,
+            device=str(pair.device), seed=gen.seed, run_id=run_id, steps=steps)))
+    else:
+        rate = "–" if s.acceptance_rate is None else f"{s.acceptance_rate:.2f}"
+        _say(f"\n[{policy.name} · {pair.target_tier} · {s.n_tokens} tokens · {s.tokens_per_s:.1f} tok/s · "
+             f"TTFT {s.ttft_ms:.0f} ms · {s.tokens_per_step:.2f} tok/step · acceptance {rate} · "
+             f"{s.stop_reason}{f' · run {run_id}' if run_id else ''}]")
+    return 0
+
+
+@command("setup", "convert the embedded model's GGUF to a local safetensors cache, once")
+def cmd_setup(a: argparse.Namespace) -> int:
+    from engine.models import EMBEDDED_LABEL, embedded_dir
+
+    print(f"embedded model {EMBEDDED_LABEL}: {embedded_dir()}")
+    return 0
+
+
+@command("import-speckv", "import SpecKV's phase-2 step CSV as runs (source speckv)",
+         ("path", dict(help="phase2_step_results.csv")), JSON_ARG, db="DuckDB file to import into")
 def cmd_import_speckv(a: argparse.Namespace) -> int:
+    from engine.importers.speckv import import_speckv
     from store import Store
-    from store.speckv import import_speckv
 
     if not os.path.isfile(a.path):  # before opening: a typo must not create an empty database
         raise ValueError(f"{a.path} does not exist or is not a file")
@@ -81,171 +153,66 @@ def cmd_import_speckv(a: argparse.Namespace) -> int:
     return 0
 
 
-def _add_setup(sub) -> None:
-    p = sub.add_parser("setup", help="convert the embedded model's GGUF to a local safetensors cache, once")
-    p.set_defaults(func=cmd_setup)
-
-
-def cmd_setup(a: argparse.Namespace) -> int:
-    from engine.models import EMBEDDED_LABEL, embedded_dir
-
-    print(f"embedded model {EMBEDDED_LABEL}: {embedded_dir()}")
-    return 0
-
-
-def _add_divergence(sub) -> None:
-    p = sub.add_parser("divergence", help="speculative vs plain greedy output, per target tier")
-    add_model_args(p)
-    p.add_argument("--tiers", default="fp32,bf16,int8,nf4", help="comma-separated target tiers")
-    p.add_argument("--policy", default="fixed:4")
-    p.add_argument("--max-new-tokens", type=int, default=64)
-    p.add_argument("--prompts-per-task", type=int, default=2)
-    p.add_argument("--json", action="store_true")
-    p.set_defaults(func=cmd_divergence)
-
-
+@command("divergence", "speculative vs plain greedy output, per target tier",
+         ("--tiers", dict(default="fp32,bf16,int8,nf4", help="comma-separated target tiers")),
+         ("--policy", dict(default="fixed:4")), ("--max-new-tokens", dict(type=int, default=64)),
+         ("--prompts-per-task", dict(type=int, default=2)), JSON_ARG, models=True)
 def cmd_divergence(a: argparse.Namespace) -> int:
     from engine import divergence
-    from engine.models import load_pair
     from engine.policies import make_policy
     from engine.prompts import bench_prompts
-
-    from engine.lab import parse_tiers
+    from engine.service import parse_tiers
 
     tiers = parse_tiers(a.tiers)
     make_policy(a.policy)
     prompts = [p for _, p in bench_prompts(a.prompts_per_task)]
     results = []
-    for tier in tiers:
-        pair = load_pair(a.target, a.draft, tier, a.draft_tier, a.device, a.trust_remote_code)
+    for pair in _pairs(a, tiers):
         d = divergence.measure(pair, prompts, a.policy, a.max_new_tokens)
         results.append(dataclasses.asdict(d))
         if not a.json:
-            print(f"{tier:>5}  {a.policy}: identical on {d.identical_fraction:.0%} of {d.prompts} prompts; "
+            print(f"{d.tier:>5}  {a.policy}: identical on {d.identical_fraction:.0%} of {d.prompts} prompts; "
                   f"first divergence {d.first_divergence} (of {a.max_new_tokens} tokens)")
-        del pair
     if a.json:
         print(json.dumps(results))
     return 0
 
 
-def _add_distill(sub) -> None:
+def _distill_args() -> list[tuple]:
+    """One flag per DistillConfig field, typed by the field's annotation."""
     from engine.distill import DistillConfig
 
-    p = sub.add_parser("distill", help="make a draft for a target by distillation (resumable)")
-    for f in dataclasses.fields(DistillConfig):
-        flag = "--" + f.name.replace("_", "-")
-        if f.name == "layers":
-            p.add_argument(flag, type=_int_list, default=None, help="target layers to copy, e.g. 0,1,2,29")
-        else:
-            kind = {"int": int, "float": float, "bool": _bool}.get(str(f.type).split(" ")[0], str)
-            p.add_argument(flag, type=kind, default=None)
-    p.set_defaults(func=cmd_distill)
+    kinds = {"int": int, "float": float, "bool": _bool, "list[int]": _int_list}
+    return [("--" + f.name.replace("_", "-"), dict(type=kinds.get(str(f.type).split(" ")[0], str), default=None))
+            for f in dataclasses.fields(DistillConfig)]
 
 
 def _bool(text: str) -> bool:
-    if text.lower() in ("1", "true", "yes", "on"):
-        return True
-    if text.lower() in ("0", "false", "no", "off"):
-        return False
+    if text.lower() in ("1", "true", "yes", "on", "0", "false", "no", "off"):
+        return text.lower() in ("1", "true", "yes", "on")
     raise argparse.ArgumentTypeError(f"expected true or false, got {text!r}")
 
 
 def _int_list(text: str) -> list[int]:
     try:
-        return [int(x) for x in text.split(",") if x.strip()]
+        return [int(x) for x in csv_list(text)]
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
 
 
+@command("distill", "make a draft for a target by distillation (resumable)")
 def cmd_distill(a: argparse.Namespace) -> int:
     from tqdm import tqdm
 
     from engine.distill import DistillConfig, run
 
-    given = {f.name: getattr(a, f.name) for f in dataclasses.fields(DistillConfig)
-             if getattr(a, f.name, None) is not None}
-    cfg = DistillConfig(**given)
-    run(cfg, progress=tqdm, say=lambda m: print(m, file=sys.stderr))
+    given = {f.name: getattr(a, f.name) for f in dataclasses.fields(DistillConfig) if getattr(a, f.name) is not None}
+    run(DistillConfig(**given), progress=tqdm, say=_say)
     return 0
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = _Parser(prog="python -m engine", description=__doc__)
-    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
-    from engine import lab
-
-    for add in (_add_setup, _add_generate, _add_divergence, _add_distill, _add_bench, _add_import_speckv,
-                *lab.COMMANDS):
-        add(sub)
-    return parser
-
-
-def _check_store(db: str) -> None:
-    if db:
-        from store import Store
-
-        # Released at once: a generation can take minutes, the app may want the file meanwhile.
-        with Store(db, wait_s=0.0):
-            pass
-
-
-def _store_run(db: str, row: dict, steps: list[dict]) -> str | None:
-    if not db:
-        return None
-    from store import Store
-
-    with Store(db) as st:
-        run_id = st.add_run(row, steps)
-        if st.staged:
-            print(f"warning: {st.message}", file=sys.stderr)
-        return run_id
-
-
-def cmd_generate(a: argparse.Namespace) -> int:
-    from engine.models import load_pair
-    from engine.lab import context_for
-    from engine.policies import make_policy, parse_policy
-    from engine.speculative import Generation, GenConfig, encode_prompt, run_row
-
-    parse_policy(a.policy)  # before loading models: a typo should fail in milliseconds
-    cfg = GenConfig(max_new_tokens=a.max_new_tokens, temperature=a.temperature, top_p=a.top_p, seed=a.seed)
-    cfg.validate()
-    _check_store(a.db)  # a corrupt or unopenable file fails now, not after the generation
-    pair = load_pair(a.target, a.draft, a.target_tier, a.draft_tier, a.device, a.trust_remote_code)
-    policy = make_policy(a.policy, context_for(a.db, pair, a.policy))  # speckv/rakv: costs, controller
-    gen = Generation(pair, encode_prompt(pair.tokenizer, a.prompt, a.chat), policy, cfg)
-    shown = ""
-    for _ in gen:
-        if not a.json:  # stream: print what the new tokens add to the decoded text
-            text = pair.tokenizer.decode(gen.token_ids, skip_special_tokens=True)
-            print(text[len(shown):], end="", flush=True)
-            shown = text
-    row = run_row(gen, a.prompt, policy.name, a.chat, a.task)
-    steps = [dataclasses.asdict(r) for r in gen.records]
-    run_id = _store_run(a.db, row, steps)
-    s = gen.summary
-    if a.json:
-        out = dict(
-            text=row["output"], token_ids=gen.token_ids, tokens_per_s=s.tokens_per_s,
-            ttft_ms=s.ttft_ms, mean_accepted=s.mean_accepted, acceptance_rate=s.acceptance_rate,
-            tokens_per_step=s.tokens_per_step, n_tokens=s.n_tokens, n_steps=s.n_steps,
-            stop_reason=s.stop_reason, policy=policy.name, target=pair.target_name,
-            draft=pair.draft_name, target_tier=pair.target_tier, draft_tier=pair.draft_tier,
-            device=str(pair.device), seed=cfg.seed, run_id=run_id, steps=steps,
-        )
-        print(json.dumps(out))
-    else:
-        rate = "–" if s.acceptance_rate is None else f"{s.acceptance_rate:.2f}"
-        print(
-            f"\n[{policy.name} · {pair.target_tier} · {s.n_tokens} tokens · {s.tokens_per_s:.1f} tok/s · "
-            f"TTFT {s.ttft_ms:.0f} ms · {s.tokens_per_step:.2f} tok/step · acceptance {rate} · "
-            f"{s.stop_reason}{f' · run {run_id}' if run_id else ''}]",
-            file=sys.stderr,
-        )
-    return 0
-
-
+@command("bench", "benchmarks against peers, run as in bench/", ("name", dict(help="a file bench/<name>.py")),
+         ("args", dict(nargs=argparse.REMAINDER, help="passed on to the benchmark")))
 def cmd_bench(a: argparse.Namespace) -> int:
     if not a.name.isidentifier():
         raise ValueError(f"unknown benchmark {a.name!r}")
@@ -259,8 +226,164 @@ def cmd_bench(a: argparse.Namespace) -> int:
     return int(mod.main(a.args) or 0)
 
 
-def _one_line(e: BaseException) -> str:
-    return " ".join(str(e).split()) or type(e).__name__
+# -- measure, replay, learn ------------------------------------------------------------------------
+@command("costs", "measure draft/verify costs per tier and context (stored)", TIERS_ARG,
+         ("--buckets", dict(default="64,256,512", help="context lengths to measure at")),
+         ("--reps", dict(type=int, default=REPS, help="timed repetitions per point (after warm-up)")),
+         ("--calibrate", dict(action="store_true", help="instead of measuring: scale the stored table to the "
+                                                          "stored live steps of the pair (per k)")),
+         JSON_ARG, models=True, db="DuckDB file")
+def cmd_costs(a: argparse.Namespace) -> int:
+    from engine.profiling import measure_costs
+    from engine.service import calibrate_costs, cost_key, parse_tiers
+    from store import Store
+
+    tiers = parse_tiers(a.tiers)
+    try:
+        buckets = tuple(int(b) for b in csv_list(a.buckets))
+    except ValueError:
+        raise ValueError(f"--buckets takes comma-separated context lengths, got {a.buckets!r}") from None
+    if not buckets or min(buckets) < 1 or a.reps < 1:
+        raise ValueError("--buckets needs positive context lengths and --reps ≥ 1")
+    _open_or_fail(a.db)
+    out = []
+    for pair in _pairs(a, tiers):
+        if a.calibrate:
+            with Store(a.db) as st:
+                table = calibrate_costs(st, cost_key(pair))
+        else:
+            table = measure_costs(pair, buckets, a.reps, progress=_say)
+            with Store(a.db) as st:
+                st.add_costs(table.to_rows(a.reps))
+        out.append(dict(table.key, buckets=table.buckets, draft_ms=table.draft_ms,
+                        verify_ms=table.verify_ms, step_factor=table.step_factor))
+        if not a.json:
+            print(f"{pair.target_tier}: draft {pair.draft_name} ({pair.draft_tier}) on {pair.device}")
+            for b, d, v in zip(table.buckets, table.draft_ms, table.verify_ms):
+                print(f"  ctx {b:5d}  draft {d:6.2f} ms/token  verify k=0..8 " + " ".join(f"{x:6.1f}" for x in v))
+            if table.step_factor:
+                print("  live / measured step time, k=0..8 " + " ".join(f"{x:6.3f}" for x in table.step_factor))
+    if a.json:
+        print(json.dumps(out))
+    return 0
+
+
+@command("trace", "acceptance traces along the target's greedy output (stored)", TIERS_ARG, PROMPTS_ARG,
+         ("--per-task", dict(type=int, default=None, help="prompts per task (default: all)")),
+         ("--max-new-tokens", dict(type=int, default=128)),
+         ("--temperature", dict(type=float, default=None,
+                                help="also store Σ min(p, q) per position at this sampling temperature")),
+         models=True, db="DuckDB file")
+def cmd_trace(a: argparse.Namespace) -> int:
+    from engine.service import parse_tiers, prompt_set, trace_prompts
+    from store import Store
+
+    tiers, prompts = parse_tiers(a.tiers), prompt_set(a.prompts, a.per_task)
+    if a.max_new_tokens < 2:
+        raise ValueError("--max-new-tokens must be ≥ 2 for a trace to have a position")
+    made = 0
+    with Store(a.db) as st:  # one connection; each trace is committed as it is made
+        for pair in _pairs(a, tiers):
+            bar = _bar(f"trace {pair.target_tier}", "trace")
+            made += trace_prompts(st, pair, prompts, a.max_new_tokens, a.temperature,
+                                  on_start=lambda n: bar.reset(total=n), on_trace=lambda: bar.update(1))
+            bar.close()
+    _say(f"{made} traces stored in {a.db}")
+    return 0
+
+
+@command("whatif", "replay policies over stored traces with the stored cost tables",
+         ("--policies", dict(default=TRACE_POLICIES)),
+         ("--tiers", dict(default=None, help="only these target tiers")),
+         ("--by", dict(default="task", choices=("task", "prompt"), help="rows per task or per prompt")),
+         JSON_ARG, db="DuckDB file")
+def cmd_whatif(a: argparse.Namespace) -> int:
+    from engine.service import parse_tiers, replay_rows
+    from store import Store
+
+    with Store(a.db, read_only=True) as st:
+        rows = replay_rows(st, csv_list(a.policies), parse_tiers(a.tiers) if a.tiers else None, a.by)
+    if a.json:
+        print(json.dumps(rows))
+        return 0
+    width = min(max(len(str(r[a.by])) for r in rows), 48) if a.by == "prompt" else 14
+    print(f"{'tier':5} {'policy':14} {a.by:{width}} {'prompts':>7} {'tok/step':>8} {'tok/s':>8}  self-scored gap")
+    for r in rows:
+        tps = f"{r['tokens_per_s']:8.1f}" if r["tokens_per_s"] else "       –"
+        gap = f"{r['self_scored_gap']:+.1%}" if r["self_scored_gap"] is not None else ""
+        print(f"{r['target_tier']:5} {r['policy']:14} {str(r[a.by])[:48]:{width}} {r['prompts']:7d} "
+              f"{r['tokens_per_step']:8.2f} {tps}  {gap}")
+    return 0
+
+
+@command("retrain", "retrain the speckv controller from runs or traces in the store",
+         ("--source", dict(default="traces", choices=("traces", "runs", "speckv"))),
+         ("--protocol", dict(default=None, choices=("paper", "prompt"), help="split over rows (the paper's) or "
+                             "over prompts (default: paper for speckv, else prompt)")),
+         ("--sweep", dict(default=None, help="only runs of this profile sweep (source runs)")),
+         ("--seed", dict(type=int, default=42)),
+         ("--no-activate", dict(action="store_true", help="store it without making it the default")),
+         JSON_ARG, db="DuckDB file")
+def cmd_retrain(a: argparse.Namespace) -> int:
+    from engine.service import retrain
+    from store import Store
+
+    with Store(a.db) as st:
+        r = retrain(st, a.source, a.protocol, a.seed, a.sweep, activate=not a.no_activate)
+    if a.json:
+        print(json.dumps(r.to_dict()))
+        return 0
+    print(f"speckv v{r.version} ({r.source}, {r.protocol} split: {r.n_train} train / {r.n_test} test rows)\n"
+          f"  MLP(16)  test corr {r.test_corr:.3f}  MSE {r.test_mse:.4f}  decision {r.decision_ms_median:.4f} ms (median)\n"
+          f"  RF(100)  test corr {r.rf_test_corr:.3f}  MSE {r.rf_test_mse:.4f}  decision {r.rf_decision_ms_median:.3f} ms\n"
+          f"  what-if ({r.whatif_kind}): {r.whatif_gain_vs_fixed4:+.1%} vs fixed:4, "
+          f"{r.whatif_gain_vs_best_fixed:+.1%} vs the best fixed γ\n  {json.dumps(r.whatif)}")
+    return 0
+
+
+@command("profile", "sweep prompts × target tiers × policies live; every run and step stored", TIERS_ARG,
+         ("--policies", dict(default="ar,fixed:1,fixed:2,fixed:3,fixed:4,fixed:6,speckv,rakv")), PROMPTS_ARG,
+         ("--per-task", dict(type=int, default=2)), ("--max-new-tokens", dict(type=int, default=128)),
+         ("--sweep", dict(default="default", help="sweep name: a rerun with the same name resumes it")),
+         ("--json", dict(action="store_true", help="print the per-tier table as JSON")), models=True, db="DuckDB file")
+def cmd_profile(a: argparse.Namespace) -> int:
+    from engine.policies import parse_policy
+    from engine.profiling import sweep_jobs
+    from engine.service import format_sweep, parse_tiers, profile, prompt_set, sweep_table
+    from store import Store
+
+    tiers, prompts, policies = parse_tiers(a.tiers), prompt_set(a.prompts, a.per_task), csv_list(a.policies)
+    for spec in policies:
+        parse_policy(spec)  # a typo fails before any model loads
+    with Store(a.db) as st:  # one read-write connection for the sweep; each run committed as it finishes
+        bar = _bar(f"profile {a.sweep}")
+        try:
+            profile(st, a.sweep, sweep_jobs(prompts, tiers, policies), lambda tier: _load(a, tier), a.max_new_tokens,
+                    on_start=lambda n: bar.reset(total=n), on_run=lambda: bar.update(1), say=_say)
+        except KeyboardInterrupt:
+            bar.close()
+            _say(f"\ninterrupted: finished runs are stored; rerun with --sweep {a.sweep} to resume")
+            return 130
+        bar.close()
+    with Store(a.db, read_only=True) as st:
+        table = sweep_table(st.runs(sweep=a.sweep))
+    print(json.dumps(table) if a.json else format_sweep(table))
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog="python -m engine", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+    for name, (help, fn, args, models, db) in COMMANDS.items():
+        p = sub.add_parser(name, help=help)
+        if models:
+            add_model_args(p)
+        for flag, kw in args + (_distill_args() if name == "distill" else []):
+            p.add_argument(flag, **kw)
+        if db:
+            add_db_arg(p, db)
+        p.set_defaults(func=fn)
+    return parser
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -271,14 +394,13 @@ def main(argv: list[str] | None = None) -> int:
         args = build_parser().parse_args(argv)
         return args.func(args)
     except KeyboardInterrupt as e:
-        print(f"error: interrupted{f' ({e})' if str(e) else ''}", file=sys.stderr)
+        _say(f"error: interrupted{f' ({e})' if str(e) else ''}")
         return 130
     except (ValueError, StoreError) as e:  # user input: UsageError is a ValueError too
-        print(f"error: {_one_line(e)}", file=sys.stderr)
+        _say(f"error: {one_line(e, limit=2000)}")
         return 2
     except Exception as e:  # the last line of defence: a bug, still reported on one line
         if os.environ.get("SPECLAB_DEBUG"):
             raise
-        print(f"error: {type(e).__name__}: {_one_line(e)} (SPECLAB_DEBUG=1 shows the traceback)",
-              file=sys.stderr)
+        _say(f"error: {one_line(e, limit=2000)} (SPECLAB_DEBUG=1 shows the traceback)")
         return 1

@@ -1,24 +1,20 @@
-"""Measured step costs (DESIGN.md, "Acceptance traces"): per device, pair and target tier, the
+"""Measured step costs (docs/architecture.md, "Costs"): per device, pair and target tier, the
 draft's ms per drafted token and the target's verify ms for k = 0..8 drafted tokens, at a few
 context lengths. Controllers weigh draft lengths with it; the what-if replay turns steps into
-seconds with it.
-
-`CostTable` is plain Python (the replay and the store need no torch); `measure` runs the models."""
+seconds with it. Plain Python: engine/profiling.py measures it with the models."""
 from __future__ import annotations
 
 import bisect
-import contextlib
 import math
 import statistics
-import time
 from collections import defaultdict
 from dataclasses import dataclass, field, replace
-from typing import Callable, Iterable
+from typing import Iterable
 
 from engine.records import K_MAX
 
 CONTEXT_BUCKETS = (64, 256, 512)  # context lengths measured; a step uses the nearest one below
-REPS = 12  # timed forwards per point: medians steady to ~2% here
+REPS = 12  # timed forwards per point: enough for a steady median
 WARMUP = 3  # forwards discarded before timing: first calls allocate and pick kernels
 CALIBRATE_MIN = 12  # live steps of one draft length before their median ratio is trusted
 
@@ -89,56 +85,3 @@ def calibrate(table: CostTable, live: Iterable[tuple[int, int, float]]) -> CostT
                          "profile this pair and tier first, e.g. `python -m engine profile --policies ar,fixed:1,fixed:2,fixed:4`")
     factor = [have.get(0, 1.0)] + [have[min(drafting, key=lambda j: (abs(j - k), j))] for k in range(1, K_MAX + 1)]
     return replace(table, step_factor=factor)
-
-
-def measure(pair, buckets: tuple[int, ...] = CONTEXT_BUCKETS, reps: int = REPS,
-            progress: Callable[[str], None] = lambda m: None) -> CostTable:
-    """Times the engine's own calls (draft forward + its signals; verify forward under the
-    pair's batch-invariant mode) on a cache holding `bucket` tokens; medians after warm-up."""
-    import torch
-
-    from engine import invariance, signals
-    from engine.kv import new_cache
-    from engine.speculative import crop_to, sync_device
-
-    dev, vocab = pair.device, pair.vocab_size
-    buckets = tuple(b for b in buckets if b + K_MAX + 2 <= pair.max_context) or (min(buckets),)
-
-    def timed(fn: Callable[[], object]) -> float:
-        times = []
-        for i in range(WARMUP + reps):
-            sync_device(dev)
-            t0 = time.perf_counter()
-            fn()
-            sync_device(dev)
-            if i >= WARMUP:
-                times.append((time.perf_counter() - t0) * 1e3)
-        return statistics.median(times)
-
-    def forward(model, cache, n: int):
-        x = torch.randint(0, vocab, (1, n), generator=gen, device=dev)
-        logits = model(input_ids=x, cache=cache, use_cache=True, logits_to_keep=n).logits
-        return logits[0, :, :vocab].float()
-
-    def draft_token(cache, length: int) -> None:
-        p = torch.softmax(forward(pair.draft, cache, 1)[0], dim=-1)  # what _draft does per token
-        signals.entropy_bits(p), signals.confidence(p), int(p.argmax())
-        crop_to(cache, length)
-
-    def verify(cache, length: int, k: int) -> None:
-        with invariance.verifying() if pair.exact_verify else contextlib.nullcontext():
-            forward(pair.target, cache, k + 1).argmax(-1).tolist()
-        crop_to(cache, length)
-
-    gen = torch.Generator(device=dev).manual_seed(0)
-    draft_ms, verify_ms = [], []
-    with torch.inference_mode():
-        for b in buckets:
-            progress(f"costs at context {b}")
-            d_cache, t_cache = new_cache(pair.draft), new_cache(pair.target)
-            forward(pair.draft, d_cache, b), forward(pair.target, t_cache, b)
-            draft_ms.append(timed(lambda: draft_token(d_cache, b)))
-            verify_ms.append([timed(lambda k=k: verify(t_cache, b, k)) for k in range(K_MAX + 1)])
-    key = dict(device=str(dev), target=pair.target_name, draft=pair.draft_name,
-               target_tier=pair.target_tier, draft_tier=pair.draft_tier)
-    return CostTable(list(buckets), draft_ms, verify_ms, key)

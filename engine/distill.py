@@ -27,7 +27,7 @@ from safetensors.torch import load_file, save_file
 
 from engine import draft as draftlib
 from engine import prompts as promptlib
-from engine.speculative import encode_prompt
+from engine.generation import encode_prompt
 
 
 @dataclass
@@ -40,7 +40,7 @@ class DistillConfig:
     prompts_per_task: int = 400  # training prompts per task (fewer exist for chat)
     data_rounds: int = 1  # round r >= 1 adds prompts_per_task new prompts per task with wider everyday
     #                       forms, summarizing the target's own round-0 answers (general prose)
-    teacher_tier: str = "bf16"  # the target's tier for making data: 2.2x faster than fp32 batched on CPU,
+    teacher_tier: str = "bf16"  # the target's tier for making data: far faster than fp32 batched on CPU,
     #                             same greedy tokens but at rare near-ties (agreement is measured at fp32)
     max_new_tokens: int = 160  # response length; drafts are used on responses
     gen_batch: int = 32  # batched generation is far faster per token than one at a time
@@ -56,7 +56,7 @@ class DistillConfig:
     kl_weight: float = 1.0  # KL(target top-k ‖ draft)
     ckpt_every: int = 50  # steps between checkpoints
     eval_every: int = 250  # steps between held-out agreement checks
-    autocast_bf16: bool = True  # bf16 matmuls in training: ~5x faster on AVX512-BF16 CPUs and GPUs
+    autocast_bf16: bool = True  # bf16 matmuls in training: much faster on AVX512-BF16 CPUs and GPUs
     seed: int = 0
     threads: int | None = None
     stage: str = "all"  # "data": stop once the shards exist (to inspect or share them)
@@ -176,7 +176,7 @@ def build_data(cfg: DistillConfig, target, tokenizer, eos_ids, progress) -> Path
         own = None if r == 0 else promptlib.prose_paragraphs(_answers(data, "train-[0-9]", tokenizer))
         train = [p for _, p in promptlib.training_prompts(cfg.prompts_per_task, cfg.seed, r, own, seen)]
         seen |= set(train)
-        name = "train" if r == 0 else f"train-r{r}"  # round 0 keeps v1's shard names
+        name = "train" if r == 0 else f"train-r{r}"  # round 0 keeps the original shard names: old work dirs resume
         ps = sorted(train, key=len)  # similar lengths share a batch: less padding, still deterministic
         jobs += [(data / f"{name}-{i // cfg.gen_batch:04d}.safetensors", answer(ps[i: i + cfg.gen_batch]))
                  for i in range(0, len(ps), cfg.gen_batch)]

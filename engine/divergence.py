@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 from engine.models import ModelPair
 from engine.policies import make_policy
-from engine.speculative import Generation, GenConfig, encode_prompt
+from engine.generation import Generation, GenConfig, encode_prompt
 
 
 @dataclass

@@ -1,7 +1,7 @@
 """Batch-invariant verification: a k-token verify forward computed exactly as k one-token decode
 steps would compute it, so speculative greedy output equals plain greedy output token for token.
 
-Two places break that on this CPU at bf16 (measured on SmolLM2-135M, torch 2.13):
+Two places break that at bf16 on CPUs (found on SmolLM2-135M with torch 2.13):
 - attention: HF's SDPA path takes one kernel for a single query (grouped-query attention inside
   SDPA, no mask) and another for several queries over a cache (K/V repeated, explicit mask);
 - some matmul shapes: a one-row bf16 `linear` with K = 1536 (the MLP's down projection) rounds
@@ -13,8 +13,8 @@ row at a time. Prefill and decode steps are untouched HF code.
 
 The draft has no such duty: its numerics only change what is proposed. It needs path
 independence instead — its state at a position must not depend on how many tokens each read
-took (the policy), or a live run would not replay its trace. Rather than read row by row (0.7 ms
-a token here), `make_row_invariant` gives it a forward whose rows never depend on the batch:
+took (the policy), or a live run would not replay its trace. Rather than read row by row (one
+forward per token), `make_row_invariant` gives it a forward whose rows never depend on the batch:
 linears see row counts padded to a multiple of 2 or 4 (the kernels round every row alike then),
 and attention runs in float64. A load-time probe reads the same tokens in several chunkings and
 keeps the change only if every chunking agrees bit for bit."""
@@ -27,6 +27,9 @@ from typing import Iterator
 
 import torch
 import torch.nn.functional as F
+
+from engine.forward import forward_logits
+from engine.kv import new_cache
 
 NAME = "speclab_sdpa"
 PROBE_ROWS, PROBE_TRIALS = 9, 4  # a verify forward has at most K_MAX + 1 = 9 rows
@@ -105,7 +108,8 @@ def _row_variant(linear: torch.nn.Linear) -> bool:
 @torch.inference_mode()
 def make_verify_exact(model: torch.nn.Module) -> int:
     """Patches the row-variant linears of `model` (plain nn.Linear only; quantized layers are
-    left alone, see DESIGN.md) to run row by row while verifying. Returns how many."""
+    left alone; docs/architecture.md, "Exactness and invariance") to run row by row while
+    verifying. Returns how many."""
     verdict: dict[tuple, bool] = {}
     patched = 0
     for m in model.modules():
@@ -123,8 +127,8 @@ def make_verify_exact(model: torch.nn.Module) -> int:
 # -- the row-invariant draft -------------------------------------------------------------------
 ROW_INVARIANT = "speclab_rowinv"
 ROW_INVARIANT_TYPES = ("llama",)  # causal, full attention, no softcap: what rowinv_attention computes
-CATCHUP_ROWS = 64  # the most tokens one draft read takes (speculative.draft_read); probed up to it
-# Linears see row counts in a multiple of the first of these the probe confirms: on this CPU a
+CATCHUP_ROWS = 64  # the most tokens one draft read takes (DraftModelProposer._read); probed up to it
+# Linears see row counts in a multiple of the first of these the probe confirms: on some CPUs a
 # 1-row bf16 matmul rounds a row differently from the same row among others (2 suffices), and a
 # 1-, 2-, 3-, 5- or 9-row fp32 one does too (4 does). Padding rows costs little, a row more costs.
 ROW_MULTIPLES = (2, 4)
@@ -160,27 +164,18 @@ def _padded_linear(self: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
     return F.linear(rows, self.weight, self.bias)[:m].reshape(*x.shape[:-1], -1)
 
 
-def _read(model, ids: list[int], cache):
-    """Logits of the last of `ids` [V] after reading them all in one forward."""
-    x = torch.tensor([ids], device=model.device)
-    out = model(input_ids=x, cache=cache, use_cache=True, logits_to_keep=1)
-    return out.logits[0, -1], out.cache
-
-
 def _reads_agree(model) -> bool:
     """Does the model reach the same cache and logits reading CATCHUP_ROWS tokens one at a time,
     all at once, and in uneven chunks?"""
-    from engine.kv import new_cache
-
     gen = torch.Generator().manual_seed(0)
     vocab = model.config.get_text_config().vocab_size
     ids = torch.randint(0, vocab, (PROBE_PROMPT + CATCHUP_ROWS,), generator=gen).tolist()
     results = []
     for chunks in ([1] * CATCHUP_ROWS, [CATCHUP_ROWS], [2, 5, 9, 17, 31]):
-        logits, cache = _read(model, ids[:PROBE_PROMPT], new_cache(model))
+        logits, cache = forward_logits(model, ids[:PROBE_PROMPT], new_cache(model), 1, gather=True)
         pos = PROBE_PROMPT
         for n in chunks:
-            logits, cache = _read(model, ids[pos : pos + n], cache)
+            logits, cache = forward_logits(model, ids[pos : pos + n], cache, 1, gather=True)
             pos += n
         results.append((logits, [t for layer in cache.layers for t in (layer.keys, layer.values)]))
     (ref_logits, ref_kv), rest = results[0], results[1:]

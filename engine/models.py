@@ -14,6 +14,7 @@ import torch
 
 from engine import draft as draftlib
 from engine import invariance
+from engine.common import one_line
 
 EMBEDDED = "embedded"  # the name users type for the default pair
 EMBEDDED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -152,7 +153,7 @@ def load_model(
     except (OSError, EnvironmentError) as e:
         raise ValueError(
             f"cannot load model {source!r}: not a local model directory nor in the local "
-            f"Hugging Face cache ({_one_line(e)})"
+            f"Hugging Face cache ({one_line(str(e), limit=200)})"
         ) from None
     if "device_map" not in kwargs:
         model.to(device)
@@ -165,12 +166,7 @@ def load_tokenizer(source: str | None, trust_remote_code: bool = False):
     try:
         return AutoTokenizer.from_pretrained(_source_path(source), trust_remote_code=trust_remote_code)
     except (OSError, EnvironmentError, ValueError) as e:
-        raise ValueError(f"cannot load the tokenizer of {source!r} ({_one_line(e)})") from None
-
-
-def _one_line(e: BaseException) -> str:
-    text = " ".join(str(e).split())
-    return text[:200] + ("…" if len(text) > 200 else "")
+        raise ValueError(f"cannot load the tokenizer of {source!r} ({one_line(str(e), limit=200)})") from None
 
 
 def check_vocab(t_tok, d_tok, t_vocab: int, d_vocab: int, draft_name: str) -> int:
@@ -198,6 +194,22 @@ def eos_ids_of(tokenizer, model) -> frozenset[int]:
     return frozenset(ids)
 
 
+def _draft_source(target: str | None, draft: str | None, draft_tier: str | None,
+                  dev: torch.device) -> tuple[str | None, str, str, bool]:
+    """(draft source, its tier, its name, a SpecLab draft?). The embedded target's default draft is
+    the distilled one shipped in engine/data/drafts/; a target with no draft given is drafted by
+    itself at nf4. A SpecLab draft's numerics only change what is proposed, never what is emitted:
+    it runs at bf16, far cheaper than fp32 per token on AVX512-BF16 CPUs and on GPUs."""
+    if draft in (None, "") and target in (None, "", EMBEDDED) and draftlib.is_draft_dir(draftlib.SHIPPED):
+        draft = str(draftlib.SHIPPED)
+    if draft in (None, ""):
+        draft, draft_tier = target, draft_tier or FALLBACK_DRAFT_TIER
+    if draftlib.is_draft_dir(draft):
+        return draft, draft_tier or "bf16", draftlib.label(draft), True
+    name = EMBEDDED_LABEL if draft in (None, "", EMBEDDED) else draft
+    return draft, draft_tier or ("bf16" if dev.type == "cuda" else "fp32"), name, False
+
+
 def load_pair(
     target: str | None = None,
     draft: str | None = None,
@@ -208,64 +220,37 @@ def load_pair(
     progress: Callable[[str], None] = lambda msg: None,
     exact_verify: bool | None = None,
 ) -> ModelPair:
-    """Target and draft, both on one device. `None`/"embedded" means the embedded default, whose
-    draft is the distilled one shipped in engine/data/drafts/; a target without a draft given
-    (and none shipped) is drafted by itself at the nf4 tier."""
+    """Target and draft on one device (`None`/"embedded": the embedded default), each made ready
+    for its duty: the target's verify batch-invariant where its tier needs it, the draft's reads
+    row-invariant (engine/invariance.py; docs/architecture.md, "Exactness and invariance")."""
     dev = resolve_device(device)
-    embedded = target in (None, "", EMBEDDED)
-    target_name = EMBEDDED_LABEL if embedded else target
-    if draft in (None, "") and embedded and draftlib.is_draft_dir(draftlib.SHIPPED):
-        draft = str(draftlib.SHIPPED)  # the distilled draft that ships with the project
-    if draft in (None, ""):
-        draft, draft_tier = target, draft_tier or FALLBACK_DRAFT_TIER
-    speclab_draft = draftlib.is_draft_dir(draft)
-    if speclab_draft:
-        # A draft's numerics only change what is proposed, never what is emitted: run it at
-        # bf16, 4x cheaper than fp32 per token on this CPU (AVX512-BF16) and on GPUs.
-        draft_tier = draft_tier or "bf16"
-        draft_name = draftlib.label(draft)
-    else:
-        draft_tier = draft_tier or ("bf16" if dev.type == "cuda" else "fp32")
-        draft_name = EMBEDDED_LABEL if draft in (None, "", EMBEDDED) else draft
+    target_name = EMBEDDED_LABEL if target in (None, "", EMBEDDED) else target
+    draft, draft_tier, draft_name, speclab_draft = _draft_source(target, draft, draft_tier, dev)
     progress(f"loading target {target_name} ({target_tier}) on {dev}")
     t_model = load_model(target, target_tier, dev, trust_remote_code)
     tokenizer = load_tokenizer(target, trust_remote_code)
-    progress(f"loading draft {draft_name} ({draft_tier})")
-    # Reduced-precision tiers round ties differently in a batched verify; make it invariant.
-    # fp32 differs by ~1e-5 at most (the near-tie excuse); bitsandbytes layers are measured instead.
+    # fp32 verify differs from one-token steps by ~1e-5 at most; bitsandbytes layers are measured
+    # by `divergence` instead.
     exact = exact_verify if exact_verify is not None else target_tier in EXACT_VERIFY_TIERS
     rowwise = invariance.make_verify_exact(t_model) if exact else 0
-    if speclab_draft:  # the target's tokenizer and embedding
+    progress(f"loading draft {draft_name} ({draft_tier})")
+    if speclab_draft:  # it shares the target's tokenizer, embedding and LM head
         if draft_tier not in FLOAT_TIERS:
             raise ValueError(f"a SpecLab draft runs at {', '.join(FLOAT_TIERS)}, not {draft_tier}")
         embedding = draftlib.target_embedding(_source_path(target), t_model)
-        d_model = draftlib.load_draft(draft, embedding, dev, FLOAT_TIERS[draft_tier])
-        d_tok = tokenizer
+        d_model, d_tok = draftlib.load_draft(draft, embedding, dev, FLOAT_TIERS[draft_tier]), tokenizer
     else:
         d_model = load_model(draft, draft_tier, dev, trust_remote_code)
         d_tok = tokenizer if draft == target else load_tokenizer(draft, trust_remote_code)
-    # The draft's catch-up reads (speculative.draft_read) must not depend on how many tokens each
-    # takes; row by row (batch-invariant) where its forward cannot be made row-invariant.
     draft_rowinv = invariance.make_row_invariant(d_model)
-    if not draft_rowinv:
+    if not draft_rowinv:  # it reads row by row, batch-invariant
         invariance.make_verify_exact(d_model)
-    vocab = check_vocab(
-        tokenizer, d_tok, t_model.config.get_text_config().vocab_size,
-        d_model.config.get_text_config().vocab_size, draft_name,
-    )
+    vocab = check_vocab(tokenizer, d_tok, t_model.config.get_text_config().vocab_size,
+                        d_model.config.get_text_config().vocab_size, draft_name)
     return ModelPair(
-        target=t_model,
-        draft=d_model,
-        tokenizer=tokenizer,
-        device=dev,
-        target_name=target_name,
-        draft_name=draft_name,
-        target_tier=target_tier,
-        draft_tier=draft_tier,
-        vocab_size=vocab,
+        target=t_model, draft=d_model, tokenizer=tokenizer, device=dev, target_name=target_name,
+        draft_name=draft_name, target_tier=target_tier, draft_tier=draft_tier, vocab_size=vocab,
         eos_ids=eos_ids_of(tokenizer, t_model),
         max_context=int(getattr(t_model.config.get_text_config(), "max_position_embeddings", 1 << 30)),
-        exact_verify=exact,
-        rowwise_linears=rowwise,
-        draft_row_invariant=draft_rowinv,
+        exact_verify=exact, rowwise_linears=rowwise, draft_row_invariant=draft_rowinv,
     )

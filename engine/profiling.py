@@ -1,23 +1,28 @@
-"""Profiling: acceptance traces and sweeps (DESIGN.md, "Acceptance traces and exact what-if replay").
+"""Measuring a pair: acceptance traces, cost tables, and profiling sweeps, all through the
+model-backed oracles a live run uses (docs/architecture.md, "Traces and replay", "Costs").
 
-A trace records, at every position p of the target's greedy output, what the draft would propose
+A trace records, at every position p of the target's greedy output, what the draft proposes
 from there: its k_max greedy tokens, their entropy/confidence, and L(p), how many of them match
-the target's output. Under greedy decoding the output does not depend on γ, so any policy can be
-replayed over a trace exactly (engine/whatif.py). The draft reads the prompt alone, then one
-token at a time; a live run's catch-up reads several at once, which the draft's row-invariant
-forward (engine/invariance.py) computes bit for bit alike."""
+the output. The draft reads the prompt alone, then one token at a time; a live run's catch-up
+reads several at once, which the draft's row-invariant forward computes bit for bit alike, so
+any policy replays over a trace exactly (engine/whatif.py)."""
 from __future__ import annotations
 
 import itertools
 from dataclasses import asdict, dataclass
-from typing import Iterable
+from typing import Callable, Iterable
 
 import torch
 
-from engine import signals
+from engine.common import median_ms
+from engine.costs import CONTEXT_BUCKETS, REPS, WARMUP, CostTable
+from engine.forward import forward_logits, sync_device
+from engine.generation import GenConfig, Generation, encode_prompt, run_row
 from engine.models import ModelPair
+from engine.oracles.model import DraftModelProposer, TargetVerifier
 from engine.policies import K_MAX, make_policy
-from engine.speculative import GenConfig, Generation, crop_to, encode_prompt, forward_logits, run_row, warp
+from engine.records import DraftToken
+from engine.sampling import Sampler, warp
 
 
 @dataclass
@@ -26,6 +31,10 @@ class Trace:
 
     row: dict
     positions: list[dict]
+
+
+def _always(j: int, token: DraftToken) -> bool:
+    return True
 
 
 @torch.inference_mode()
@@ -37,12 +46,23 @@ def trace(pair: ModelPair, prompt: str, task: str | None = None, max_new_tokens:
     ids = encode_prompt(pair.tokenizer, prompt, chat)
     gen = Generation(pair, ids, make_policy("ar"), GenConfig(max_new_tokens=max_new_tokens)).run()
     out = gen.token_ids  # [N], exactly what plain decoding emits
-    q = _target_laws(pair, ids, out, temperature) if temperature else None
-    _, cache = forward_logits(pair, pair.draft, ids, None, keep=1)
+    q = _target_laws(pair, ids, out, temperature) if temperature else None  # [N, V]
+    proposer = DraftModelProposer(pair, ids, Sampler(0.0, 1.0, None, pair.device))
+    proposer.update(0, out[:1])
     positions = []
     for p in range(1, len(out)):  # out[0] comes from the prefill; steps start at position 1
-        positions.append(_propose(pair, cache, ids, out, p, k_max, q, temperature))
-        crop_to(cache, len(ids) + p)  # keep prompt + out[:p]; drop the proposal
+        drafted = proposer.propose(k_max, _always)
+        n = 0
+        while n < len(drafted) and p + n < len(out) and drafted[n].token_id == out[p + n]:
+            n += 1
+        accept_prob = None
+        if q is not None:  # the draft's greedy law p = softmax(logits); warped: ∝ p^(1/T)
+            p_warped = torch.softmax(torch.log(drafted[0].p) / temperature, dim=-1)
+            accept_prob = float(torch.minimum(p_warped, q[p]).sum())
+        positions.append(dict(position=p, accept_len=n, draft_ids=[d.token_id for d in drafted],
+                              entropies=[d.entropy for d in drafted], confidences=[d.confidence for d in drafted],
+                              accept_prob=accept_prob, context_len=len(ids) + p))
+        proposer.update(0, out[p : p + 1])  # the proposal is dropped; the output moves on
     row = dict(target=pair.target_name, draft=pair.draft_name, target_tier=pair.target_tier,
                draft_tier=pair.draft_tier, device=str(pair.device), prompt=prompt, task=task, chat=chat,
                max_new_tokens=max_new_tokens, k_max=k_max, prompt_ids=ids, token_ids=out,
@@ -50,30 +70,45 @@ def trace(pair: ModelPair, prompt: str, task: str | None = None, max_new_tokens:
     return Trace(row, positions)
 
 
-def _propose(pair, cache, ids, out, p, k_max, q, temperature) -> dict:
-    """The draft's greedy tokens from prompt + out[:p]; the cache has read all but out[p - 1]."""
-    feed, drafted, ents, confs, first = [out[p - 1]], [], [], [], None
-    for j in range(k_max):
-        logits, cache = forward_logits(pair, pair.draft, feed, cache, keep=1)
-        probs = torch.softmax(logits[0], dim=-1)  # as Generation._choose computes the signals
-        x = int(logits[0].argmax())
-        drafted.append(x), ents.append(float(signals.entropy_bits(probs))), confs.append(float(signals.confidence(probs)))
-        first = logits[0] if j == 0 else first
-        feed = [x]
-    n = 0
-    while n < len(drafted) and p + n < len(out) and drafted[n] == out[p + n]:
-        n += 1
-    accept_prob = None
-    if q is not None:
-        accept_prob = float(torch.minimum(warp(first, temperature, 1.0), q[p]).sum())
-    return dict(position=p, accept_len=n, draft_ids=drafted, entropies=ents, confidences=confs,
-                accept_prob=accept_prob, context_len=len(ids) + p)
-
-
 def _target_laws(pair, ids, out, temperature) -> torch.Tensor:
     """q at every output position p (the law of out[p] given the prefix): [N, V]."""
-    logits, _ = forward_logits(pair, pair.target, ids + out[:-1], None, keep=len(out))
+    logits, _ = forward_logits(pair.target, ids + out[:-1], None, len(out), pair.vocab_size)
     return warp(logits, temperature, 1.0)
+
+
+@torch.inference_mode()
+def measure_costs(pair: ModelPair, buckets: tuple[int, ...] = CONTEXT_BUCKETS, reps: int = REPS,
+                  progress: Callable[[str], None] = lambda m: None) -> CostTable:
+    """Times the live oracles on a context of `bucket` random tokens: one drafted token (a draft
+    forward, its law and signals), and a verify of k = 0..8 drafted tokens (the target forward
+    under the pair's verify mode, acceptance, roll-back); medians after warm-up."""
+    dev = pair.device
+    buckets = tuple(b for b in buckets if b + K_MAX + 2 <= pair.max_context) or (min(buckets),)
+    gen = torch.Generator().manual_seed(0)
+    sampler = Sampler(0.0, 1.0, None, dev)
+    timed = lambda fn: median_ms(fn, reps, WARMUP, sync=lambda: sync_device(dev))  # noqa: E731
+    draft_ms, verify_ms = [], []
+    for b in buckets:
+        progress(f"costs at context {b}")
+        ids = torch.randint(0, pair.vocab_size, (b + 1 + K_MAX,), generator=gen).tolist()
+        proposer, verifier = DraftModelProposer(pair, ids[:b], sampler), TargetVerifier(pair, ids[:b], sampler)
+        verifier.prefill()
+        verifier.rewind(b + 1)
+        proposer.update(0, ids[b : b + 1])
+
+        def draft_one() -> None:
+            proposer.propose(1, _always)
+            proposer.rewind(b, ids[b : b + 1])
+
+        def verify(k: int) -> None:
+            verifier.verify([DraftToken(x, 0.0, 0.0) for x in ids[b + 1 : b + 1 + k]])
+            verifier.rewind(b + 1)
+
+        draft_ms.append(timed(draft_one))
+        verify_ms.append([timed(lambda k=k: verify(k)) for k in range(K_MAX + 1)])
+    key = dict(device=str(dev), target=pair.target_name, draft=pair.draft_name,
+               target_tier=pair.target_tier, draft_tier=pair.draft_tier)
+    return CostTable(list(buckets), draft_ms, verify_ms, key)
 
 
 # -- sweeps ----------------------------------------------------------------------------------------

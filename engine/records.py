@@ -1,5 +1,6 @@
-"""The values that cross the engine's boundaries: what a policy sees and returns, and what a step
-and a run leave behind (the units the store keeps)."""
+"""The values that cross the engine's boundaries: what a policy sees and returns, what a proposer
+drafts, and what a step and a run leave behind (the units the store keeps). See
+docs/architecture.md, "Records"."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -50,7 +51,7 @@ class DecodeState:
     """Everything known before drafting: what a policy may base its choice on.
 
     It deliberately holds nothing about the tokens about to be drafted, so a learned controller
-    cannot leak the answer into its own features (SpecKV's flaw, DESIGN.md)."""
+    cannot leak the answer into its own features (SpecKV's flaw; docs/architecture.md)."""
 
     step: int
     position: int
@@ -69,11 +70,14 @@ class DecodeState:
 
 @dataclass(frozen=True)
 class DraftToken:
-    """One drafted position, handed to `Policy.keep_drafting`."""
+    """One drafted position: what a proposer returns and `Policy.keep_drafting` sees."""
 
     token_id: int
     entropy: float  # bits
     confidence: float  # max probability
+    # The law [V] (a torch tensor) the token was drawn from, which rejection sampling divides
+    # by; None where no model proposed it (a stored trace, under greedy decoding).
+    p: object = field(default=None, compare=False, repr=False)
 
 
 @dataclass
@@ -106,3 +110,12 @@ class AcceptanceEWMA:
     @property
     def alpha(self) -> float | None:
         return self.hits / self.trials if self.trials else None
+
+
+def signal_summary(entropies: list[float], confidences: list[float]) -> dict[str, float | None]:
+    """A step's four SpecKV features over its drafted positions: mean and max entropy (bits),
+    mean and min confidence (max probability); None when nothing was drafted."""
+    if not entropies:
+        return dict(mean_entropy=None, max_entropy=None, mean_confidence=None, min_confidence=None)
+    return dict(mean_entropy=sum(entropies) / len(entropies), max_entropy=max(entropies),
+                mean_confidence=sum(confidences) / len(confidences), min_confidence=min(confidences))

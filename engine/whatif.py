@@ -1,19 +1,17 @@
-"""Exact what-if replay (DESIGN.md, "Acceptance traces and exact what-if replay").
-
-Under greedy decoding the emitted tokens do not depend on γ, so a trace (L(p) and the draft's
-proposals at every position p of the target's output) says what any step would have done: at p
-the policy picks k, min(L(p), k) drafted tokens are accepted, one target token follows, and the
-run moves on. The very Policy objects the engine runs make the choices here, seeing the same
-DecodeState and StepRecords, so a replay reproduces the live run's steps one for one. A cost
-table turns steps into milliseconds. No model is loaded."""
+"""Exact what-if replay: any policy over stored acceptance traces, through the same step loop
+a live run takes (engine/step.py) with trace-backed oracles (engine/oracles/trace.py). The very
+Policy objects the engine runs make the choices, seeing the same DecodeState and StepRecords,
+so a replay reproduces the live run's steps one for one; a cost table turns the steps into
+milliseconds. No model is loaded, no torch imported."""
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from engine import signals
 from engine.costs import CostTable
+from engine.oracles.trace import TraceProposer, TraceVerifier
 from engine.policies import Policy
-from engine.records import AcceptanceEWMA, Action, DecodeState, DraftToken, StepRecord
+from engine.records import StepRecord
+from engine.step import ModelledClock, Setting, decode
 
 
 @dataclass
@@ -46,6 +44,22 @@ class Replay:
         return [(r.k_chosen, r.k_drafted, r.accepted, r.emitted) for r in self.steps[1:]]
 
 
+class _SelfScored:
+    """The policy itself, noting after each choice its own expected tokens (`last_expected`,
+    where it has one): SpecKV scores its policy with its own predictor, the replay shows the gap."""
+
+    def __init__(self, policy: Policy) -> None:
+        self.policy, self.guesses = policy, []
+
+    def choose(self, state):
+        action = self.policy.choose(state)
+        self.guesses.append(getattr(self.policy, "last_expected", None))
+        return action
+
+    def __getattr__(self, name: str):
+        return getattr(self.policy, name)
+
+
 def replay(policy: Policy, trace: dict, positions: list[dict], costs: CostTable | None = None,
            kv_tier: str = "native") -> Replay:
     """`trace`: a `traces` row (token_ids, prompt_ids, max_new_tokens, target_tier, prompt, task);
@@ -53,53 +67,13 @@ def replay(policy: Policy, trace: dict, positions: list[dict], costs: CostTable 
     out, n_prompt = list(trace["token_ids"]), len(trace["prompt_ids"])
     at = {int(r["position"]): r for r in positions}
     assert all(p in at for p in range(1, len(out))), "trace positions are incomplete"
-    tier, budget = trace["target_tier"], int(trace["max_new_tokens"])
-    policy.reset()
-    acc = AcceptanceEWMA()
-    records = [_record(0, 0, Action(0), [], out[:1], 0, n_prompt, tier, kv_tier, 0.0)]
-    pos, ms, predicted, scored = 1, 0.0, 0.0, 0
-    while pos < len(out):
-        remaining = budget - pos
-        state = DecodeState(step=len(records), position=pos, context_len=n_prompt + pos, remaining=remaining,
-                            target_tier=tier, kv_tier=kv_tier, history=records, alpha_ewma=acc.alpha,
-                            alpha_trials=acc.trials)
-        action = policy.choose(state)
-        k = min(action.k, remaining - 1)  # as the engine caps it: the bonus token needs a slot
-        drafted = _draft(policy, state, at[pos], k)
-        n = min(int(at[pos]["accept_len"]), len(drafted))
-        new = out[pos: pos + n + 1]  # the output ends at EOS or at the budget: slicing cuts there
-        cost = costs.step_ms(len(drafted), n_prompt + pos) if costs else 0.0
-        ms += cost
-        guess = getattr(policy, "last_expected", None)
-        if guess is not None:
-            predicted, scored = predicted + guess, scored + len(new)
-        acc.update(n, len(drafted))
-        rec = _record(len(records), pos, action, drafted, new, min(n, len(new)), n_prompt + pos, tier, kv_tier, cost)
-        policy.observe(rec)
-        records.append(rec)
-        pos += len(new)
-    return Replay(getattr(policy, "name", "?"), trace.get("prompt", ""), trace.get("task"), tier, records,
-                  len(out), ms if costs else None, predicted if scored else None, scored or None)
-
-
-def _draft(policy: Policy, state: DecodeState, at: dict, k: int) -> list[DraftToken]:
-    drafted = []
-    for j in range(k):
-        drafted.append(DraftToken(int(at["draft_ids"][j]), float(at["entropies"][j]), float(at["confidences"][j])))
-        if j + 1 < k and not policy.keep_drafting(state, j, drafted[-1]):
-            break
-    return drafted
-
-
-def _record(step, position, action, drafted, new, accepted, context_len, tier, kv_tier, cost) -> StepRecord:
-    ents = [d.entropy for d in drafted]
-    confs = [d.confidence for d in drafted]
-    return StepRecord(
-        step=step, position=position, k_chosen=action.k, k_drafted=len(drafted), accepted=accepted,
-        emitted=len(new), token_ids=list(new), **signals.summarize(ents, confs), entropies=ents,
-        confidences=confs, draft_ms=0.0, verify_ms=cost, decide_ms=0.0, context_len=context_len,
-        target_tier=tier, kv_tier=kv_tier, reuse=action.reuse,
-    )
+    clock, scored = ModelledClock(), _SelfScored(policy)
+    run = Setting(n_prompt, int(trace["max_new_tokens"]), trace["target_tier"], kv_tier)
+    steps = list(decode(TraceProposer(at), TraceVerifier(out, at, n_prompt, costs, clock), scored, run, clock))
+    guessed = [(g, r.emitted) for g, r in zip(scored.guesses, steps[1:]) if g is not None]
+    return Replay(getattr(policy, "name", "?"), trace.get("prompt", ""), trace.get("task"), run.target_tier, steps,
+                  len(out), clock.now if costs else None,
+                  sum(g for g, _ in guessed) if guessed else None, sum(e for _, e in guessed) or None)
 
 
 def summarize(replays: list[Replay], by: str = "task") -> list[dict]:

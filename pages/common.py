@@ -7,12 +7,12 @@ from dataclasses import dataclass
 
 import streamlit as st
 
+from engine.common import default_db, one_line
 from engine.models import EMBEDDED_LABEL, load_pair, resolve_device
-from store import Store, StoreError
+from engine.service import store_run
 
-DEFAULT_DB = "speclab.duckdb"
 _KEYS = {"target": "speclab_target", "draft": "speclab_draft", "db": "speclab_db"}
-_ENV = {"target": "SPECLAB_TARGET", "draft": "SPECLAB_DRAFT", "db": "SPECLAB_DB"}
+_ENV = {"target": "SPECLAB_TARGET", "draft": "SPECLAB_DRAFT"}
 
 
 @dataclass(frozen=True)
@@ -23,7 +23,7 @@ class Settings:
 
 
 def _env(name: str) -> str:
-    return os.environ.get(_ENV[name], "") or ""
+    return default_db() if name == "db" else os.environ.get(_ENV[name], "")
 
 
 def sidebar() -> None:
@@ -42,7 +42,7 @@ def sidebar() -> None:
                  "(env SPECLAB_DRAFT).",
         )
         st.text_input(
-            "Database", value=_env("db") or DEFAULT_DB, key=_KEYS["db"],
+            "Database", value=_env("db"), key=_KEYS["db"],
             help="DuckDB file that keeps every run (env SPECLAB_DB).",
         )
         try:
@@ -58,20 +58,12 @@ def settings() -> Settings:
         return (_env(name) if v is None else v).strip()
 
     return Settings(target=value("target") or None, draft=value("draft") or None,
-                    db=value("db") or DEFAULT_DB)
-
-
-def one_line(text: str, limit: int = 300) -> str:
-    text = " ".join(str(text).split())
-    return text if len(text) <= limit else text[: limit - 1] + "…"
+                    db=value("db") or default_db())
 
 
 def show_error(e: BaseException) -> None:
     """One line, never a traceback: user-input errors as their message, others with their type."""
-    if isinstance(e, (ValueError, StoreError)):
-        st.error(one_line(str(e)) or type(e).__name__)
-    else:
-        st.error(one_line(f"{type(e).__name__}: {e}"))
+    st.error(one_line(e))
 
 
 @st.cache_resource(show_spinner=False, max_entries=2)
@@ -98,16 +90,10 @@ def save_run(db: str, row: dict, steps: list[dict]) -> Saved:
     """Store a run with its steps. The file is opened only for the write, so other processes
     (CLI, bench) can use it in between; if another process holds it the store stages the run."""
     try:
-        with Store(db, wait_s=3.0) as store:
-            run_id = store.add_run(row, steps)
-            if store.staged:
-                return Saved(run_id, "warning", one_line(store.message))
-            note = f" ({one_line(store.message)})" if store.message else ""
-            return Saved(run_id, "success", f"Stored as run {run_id} in {db}{note}")
-    except StoreError as e:
-        return Saved(None, "error", one_line(str(e)))
+        run_id, staged, note = store_run(db, row, steps, wait_s=3.0)
+        return Saved(run_id, "warning" if staged else "success", one_line(note[:1].upper() + note[1:]))
     except Exception as e:  # noqa: BLE001 - shown as one line, never a traceback
-        return Saved(None, "error", one_line(f"{type(e).__name__}: {e}"))
+        return Saved(None, "error", one_line(e))
 
 
 def show_saved(saved: Saved) -> None:

@@ -11,9 +11,9 @@ import streamlit as st
 from plotly.subplots import make_subplots
 
 from engine.models import TIERS
-from engine.lab import context_for
+from engine.service import context_for
 from engine.policies import POLICY_EXAMPLES, make_policy, parse_policy
-from engine.speculative import GenConfig, Generation, encode_prompt, run_row
+from engine.generation import GenConfig, Generation, encode_prompt, run_row
 from pages.common import get_pair, save_run, settings, show_error, show_saved, Saved
 
 RESULT_KEY = "live_result"
@@ -178,7 +178,7 @@ def generate(inp: dict, out_ph, chart_ph) -> dict | None:
         saved=saved,
         ui_ms=ui_s * 1e3,
         label=(f"{pair.target_name} ({pair.target_tier}) ← {pair.draft_name} ({pair.draft_tier})"
-               f" · {inp['policy']} · {pair.device} · seed {gen.cfg.seed}"),
+               f" · {inp['policy']} · {pair.device} · seed {gen.seed}"),
     )
 
 

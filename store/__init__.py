@@ -1,4 +1,5 @@
-"""SpecLab's DuckDB store: runs and per-step records. Never imports torch."""
+"""SpecLab's DuckDB store: runs and per-step records, traces, cost tables and controllers.
+Never imports torch. See docs/architecture.md, "The store"."""
 
 from __future__ import annotations
 

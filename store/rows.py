@@ -1,4 +1,5 @@
-"""Turn the caller's run / step dicts into typed Arrow tables (validated before any write)."""
+"""The one row validator: caller dicts (or staged Parquet rows) of any table become a typed
+Arrow table, or a one-line StoreError naming the row and column, before anything is written."""
 
 from __future__ import annotations
 
@@ -6,7 +7,7 @@ import datetime as dt
 import json
 import math
 import uuid
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import pyarrow as pa
@@ -14,6 +15,11 @@ import pyarrow as pa
 from .errors import StoreError
 from .schema import PY_DEFAULTS, arrow_schema, columns
 
+# Tables whose id column gets a fresh uuid when the caller gives none.
+_IDS = {"runs": "run_id", "traces": "trace_id"}
+# Child tables: (column naming the parent, key that must be present and unique per parent).
+_CHILDREN = {"steps": ("run_id", "step"), "trace_positions": ("trace_id", "position"),
+             "costs": ("cost_id", "ctx_bucket")}
 # Per-step draft statistics are undefined when nothing was drafted; engines tend to
 # produce NaN (mean of an empty array) there, which would poison averages in SQL.
 _DRAFT_STATS = ("mean_entropy", "max_entropy", "mean_confidence", "min_confidence")
@@ -23,16 +29,6 @@ _INT_TYPES = ("INTEGER", "BIGINT", "INTEGER[]", "BIGINT[]")
 def _short(value: Any, limit: int = 60) -> str:
     text = repr(value)
     return text if len(text) <= limit else text[: limit - 3] + "..."
-
-
-def _check_keys(table: str, where: str, row: Mapping[str, Any]) -> None:
-    known = [name for name, _ in columns(table)]
-    unknown = [key for key in row if key not in known]
-    if unknown:
-        raise StoreError(
-            f"{where}: unknown key {unknown[0]!r} for table {table}"
-            f" (known keys: {', '.join(known)})"
-        )
 
 
 def _non_integral(value: Any) -> bool:
@@ -46,108 +42,99 @@ def _non_integral(value: Any) -> bool:
     return False
 
 
-def _bad_value(table: str, where: str, rows: Sequence[Mapping[str, Any]], name: str,
-               dtype: str, arrow_type: pa.DataType) -> StoreError:
-    """Name the first row whose value does not fit, so the message is actionable."""
-    for i, row in enumerate(rows):
-        value = row.get(name)
-        try:
-            if dtype in _INT_TYPES and _non_integral(value):
-                raise ValueError("non-integral")
-            pa.array([value], type=arrow_type)
-        except (pa.ArrowException, TypeError, ValueError, OverflowError):
-            return StoreError(
-                f"{where}[{i}].{name}: cannot store {_short(value)} as {dtype} in table {table}"
-            )
-    return StoreError(f"{where}.{name}: values cannot be stored as {dtype} in table {table}")
+def _array(values: list[Any], dtype: str, arrow_type: pa.DataType) -> pa.Array:
+    if dtype in _INT_TYPES and any(_non_integral(v) for v in values):
+        raise ValueError("non-integral")
+    return pa.array(values, type=arrow_type)
 
 
-def to_table(table: str, where: str, rows: Sequence[Mapping[str, Any]]) -> pa.Table:
-    """Typed Arrow table with every column of `table`; missing keys become NULL."""
-    for i, row in enumerate(rows):
-        _check_keys(table, f"{where}[{i}]", row)
-    schema = arrow_schema(table)
-    arrays: list[pa.Array] = []
-    for (name, dtype), field in zip(columns(table), schema):
-        values = [row.get(name) for row in rows]
-        try:
-            if dtype in _INT_TYPES and any(_non_integral(v) for v in values):
-                raise ValueError("non-integral")
-            arrays.append(pa.array(values, type=field.type))
-        except (pa.ArrowException, TypeError, ValueError, OverflowError):
-            raise _bad_value(table, where, rows, name, dtype, field.type) from None
-    return pa.Table.from_arrays(arrays, schema=schema)
-
-
-def json_text(config: Any, where: str = "run.config") -> str | None:
+def json_text(value: Any, where: str) -> str | None:
     """JSON columns hold text; accept a dict or already-serialized text."""
-    if config is None:
+    if value is None:
         return None
-    if isinstance(config, str):
+    if isinstance(value, str):
         try:
-            json.loads(config)
+            json.loads(value)
         except ValueError as exc:
             raise StoreError(f"{where} is a string but not valid JSON ({exc})") from None
-        return config
+        return value
     try:
-        return json.dumps(config, allow_nan=True, default=_json_default)
+        return json.dumps(value, allow_nan=True, default=_json_default)
     except (TypeError, ValueError) as exc:
         raise StoreError(f"{where} cannot be serialized to JSON ({exc})") from None
 
 
 def _json_default(value: Any) -> Any:
-    # numpy scalars / arrays and paths show up in generation configs.
-    if hasattr(value, "tolist"):
+    if hasattr(value, "tolist"):  # numpy scalars / arrays and paths show up in configs
         return value.tolist()
     if hasattr(value, "__fspath__"):
         return str(value)
     raise TypeError(f"{type(value).__name__} is not JSON serializable")
 
 
-def prepare_run(run: Mapping[str, Any]) -> dict[str, Any]:
-    """Copy of `run` with run_id, created_at and config filled in / normalized."""
-    if not isinstance(run, Mapping):
-        raise StoreError(f"run must be a dict, got {type(run).__name__}")
-    _check_keys("runs", "run", run)
-    out = dict(run)
-    run_id = out.get("run_id") or uuid.uuid4().hex
-    if not isinstance(run_id, str):
-        raise StoreError(f"run.run_id must be a string, got {_short(run_id)}")
-    out["run_id"] = run_id
-    # Stamped here, not by the DB default, so a run staged now and ingested later
-    # keeps the time it actually ran.
-    if out.get("created_at") is None:
-        out["created_at"] = dt.datetime.now()
-    out["config"] = json_text(out.get("config"))
-    for name, value in PY_DEFAULTS["runs"].items():
-        if out.get(name) is None:
-            out[name] = value
+def _row(table: str, label: str, where: str, row: Any, parent: str | None,
+         now: dt.datetime) -> dict[str, Any]:
+    if not isinstance(row, Mapping):
+        raise StoreError(f"{label} must be a dict, got {type(row).__name__}")
+    cols = columns(table)
+    known = [name for name, _ in cols]
+    unknown = [key for key in row if key not in known]
+    if unknown:
+        raise StoreError(f"{label}: unknown key {unknown[0]!r} for table {table}"
+                         f" (known keys: {', '.join(known)})")
+    out = dict(row)
+    if table in _IDS:
+        out[_IDS[table]] = out.get(_IDS[table]) or uuid.uuid4().hex
+        if not isinstance(out[_IDS[table]], str):
+            raise StoreError(f"{label}.{_IDS[table]} must be a string, got {_short(out[_IDS[table]])}")
+    if table in _CHILDREN:
+        col, key = _CHILDREN[table]
+        if out.get(col) not in (None, parent):
+            raise StoreError(f"{label}.{col} is {out[col]!r} but the parent is {parent!r}")
+        if out.get(key) is None:
+            raise StoreError(f"{label} has no {key!r}")
+        out[col] = parent
+    if out.get("k_drafted") == 0 and table == "steps":
+        for name in _DRAFT_STATS:
+            if isinstance(out.get(name), float) and math.isnan(out[name]):
+                out[name] = None
+    for name, dtype in cols:
+        if name == "created_at" and out.get(name) is None:
+            # Stamped here, not by the DB default, so a run staged now keeps its time.
+            out[name] = now
+        elif dtype == "JSON":
+            out[name] = json_text(out.get(name), f"{where}.{name}")
+        elif out.get(name) is None and name in PY_DEFAULTS.get(table, {}):
+            out[name] = PY_DEFAULTS[table][name]
     return out
 
 
-def prepare_steps(run_id: str, steps: Iterable[Mapping[str, Any]]) -> list[dict[str, Any]]:
-    """Copies of the step dicts tagged with run_id, checked for the primary key."""
-    out: list[dict[str, Any]] = []
-    for i, step in enumerate(steps):
-        if not isinstance(step, Mapping):
-            raise StoreError(f"steps[{i}] must be a dict, got {type(step).__name__}")
-        row = dict(step)
-        if row.get("run_id") not in (None, run_id):
-            raise StoreError(
-                f"steps[{i}].run_id is {row['run_id']!r} but the run is {run_id!r}"
-            )
-        if row.get("step") is None:
-            raise StoreError(f"steps[{i}] has no 'step' number")
-        row["run_id"] = run_id
-        if row.get("k_drafted") == 0:
-            for name in _DRAFT_STATS:
-                value = row.get(name)
-                if isinstance(value, float) and math.isnan(value):
-                    row[name] = None
-        out.append(row)
-    seen: set[Any] = set()
-    for i, row in enumerate(out):
-        if row["step"] in seen:
-            raise StoreError(f"steps[{i}].step {row['step']!r} is repeated in run {run_id}")
-        seen.add(row["step"])
-    return out
+def to_table(table: str, where: str, rows: Sequence[Any], parent: str | None = None) -> pa.Table:
+    """Typed Arrow table with every column of `table` (missing keys NULL or their default).
+
+    Ids of runs / traces are filled in, children are tagged with `parent` and checked for
+    their key, created_at is stamped, JSON columns are serialized and checked.
+    """
+    now = dt.datetime.now()
+    out = [_row(table, f"{where}[{i}]", where, row, parent, now) for i, row in enumerate(rows)]
+    if table in _CHILDREN:
+        key, seen = _CHILDREN[table][1], set()
+        for i, row in enumerate(out):
+            if row[key] in seen:
+                raise StoreError(f"{where}[{i}].{key} {row[key]!r} is repeated under {parent!r}")
+            seen.add(row[key])
+    schema = arrow_schema(table)
+    arrays: list[pa.Array] = []
+    for (name, dtype), field in zip(columns(table), schema):
+        try:
+            arrays.append(_array([row.get(name) for row in out], dtype, field.type))
+        except (pa.ArrowException, TypeError, ValueError, OverflowError):
+            for i, row in enumerate(out):  # name the first row that does not fit
+                try:
+                    _array([row.get(name)], dtype, field.type)
+                except (pa.ArrowException, TypeError, ValueError, OverflowError):
+                    raise StoreError(f"{where}[{i}].{name}: cannot store {_short(row.get(name))}"
+                                     f" as {dtype} in table {table}") from None
+            raise StoreError(f"{where}.{name}: values cannot be stored as {dtype}"
+                             f" in table {table}") from None
+    return pa.Table.from_arrays(arrays, schema=schema)

@@ -11,6 +11,7 @@ import functools
 import duckdb
 import pyarrow as pa
 
+from .connection import MEMORY, transaction
 from .errors import StoreError
 
 MIGRATIONS: list[str] = [
@@ -136,101 +137,75 @@ MIGRATIONS: list[str] = [
     """,
 ]
 
-# Values Python fills in for a missing key, matching the column DEFAULTs above: inserts
-# go BY NAME with every column present, so a SQL DEFAULT alone would never apply.
+# Values filled in for a missing key, matching the column DEFAULTs above: inserts go BY
+# NAME with every column present, so a SQL DEFAULT alone would never apply.
 PY_DEFAULTS: dict[str, dict[str, object]] = {"runs": {"source": "speclab"}}
 
 SCHEMA_VERSION: int = len(MIGRATIONS)
 
-_META_DDL = "CREATE TABLE IF NOT EXISTS meta (schema_version INTEGER NOT NULL)"
-
-# DuckDB type name -> Arrow type used to build insert batches and staged Parquet files.
+# DuckDB type name -> Arrow type of insert batches and staged Parquet files.
 _ARROW_TYPES: dict[str, pa.DataType] = {
-    "VARCHAR": pa.string(),
-    "JSON": pa.string(),
-    "BOOLEAN": pa.bool_(),
-    "INTEGER": pa.int32(),
-    "BIGINT": pa.int64(),
-    "DOUBLE": pa.float64(),
-    "TIMESTAMP": pa.timestamp("us"),
-    "INTEGER[]": pa.list_(pa.int32()),
-    "BIGINT[]": pa.list_(pa.int64()),
-    "DOUBLE[]": pa.list_(pa.float64()),
-    "BLOB": pa.binary(),
+    "VARCHAR": pa.string(), "JSON": pa.string(), "BOOLEAN": pa.bool_(), "INTEGER": pa.int32(),
+    "BIGINT": pa.int64(), "DOUBLE": pa.float64(), "TIMESTAMP": pa.timestamp("us"),
+    "INTEGER[]": pa.list_(pa.int32()), "BIGINT[]": pa.list_(pa.int64()),
+    "DOUBLE[]": pa.list_(pa.float64()), "BLOB": pa.binary(),
 }
 
 
-def schema_version(con: duckdb.DuckDBPyConnection) -> int:
-    """Version recorded in the file; 0 for a file without our meta table."""
-    has_meta = con.execute(
-        "SELECT count(*) FROM information_schema.tables"
-        " WHERE table_name = 'meta' AND table_schema = 'main'"
-    ).fetchone()
-    if not has_meta or has_meta[0] == 0:
-        return 0
-    row = con.execute("SELECT max(schema_version) FROM meta").fetchone()
-    return int(row[0]) if row and row[0] is not None else 0
-
-
-def migrate(con: duckdb.DuckDBPyConnection, label: str) -> int:
-    """Apply the missing migrations, each in its own transaction; returns the version."""
-    current = schema_version(con)
+def _version(con: duckdb.DuckDBPyConnection, label: str) -> int:
+    """Version recorded in the file (0 without our meta table); refuses a newer one."""
+    has_meta = con.execute("SELECT count(*) FROM information_schema.tables"
+                           " WHERE table_name = 'meta' AND table_schema = 'main'").fetchone()
+    row = con.execute("SELECT max(schema_version) FROM meta").fetchone() if has_meta[0] else None
+    current = int(row[0]) if row and row[0] is not None else 0
     if current > SCHEMA_VERSION:
-        raise StoreError(
-            f"{label} has schema version {current}, newer than this SpecLab"
-            f" understands ({SCHEMA_VERSION}); upgrade SpecLab to open it"
-        )
-    for version in range(current, SCHEMA_VERSION):
-        con.execute("BEGIN TRANSACTION")
+        raise StoreError(f"{label} has schema version {current}, newer than this SpecLab"
+                         f" understands ({SCHEMA_VERSION}); upgrade SpecLab to open it")
+    return current
+
+
+def migrate(con: duckdb.DuckDBPyConnection, label: str) -> None:
+    """Apply the missing migrations, each in its own transaction.
+
+    Callers sharing a connection hold its lock around this; a transaction conflict with some
+    other writer all the same (DuckDB's catalog is optimistic) is retried once.
+    """
+    for attempt in (1, 2):
         try:
-            con.execute(_META_DDL)
-            con.execute(MIGRATIONS[version])
-            con.execute("DELETE FROM meta")
-            con.execute("INSERT INTO meta VALUES (?)", [version + 1])
-            con.execute("COMMIT")
-        except BaseException:
-            con.execute("ROLLBACK")
-            raise
-    return SCHEMA_VERSION
+            for version in range(_version(con, label), SCHEMA_VERSION):
+                with transaction(con):
+                    con.execute("CREATE TABLE IF NOT EXISTS meta (schema_version INTEGER NOT NULL)")
+                    con.execute(MIGRATIONS[version])
+                    con.execute("DELETE FROM meta")
+                    con.execute("INSERT INTO meta VALUES (?)", [version + 1])
+            return
+        except duckdb.TransactionException:
+            if attempt == 2:
+                raise
 
 
 def check_readable(con: duckdb.DuckDBPyConnection, label: str) -> None:
     """A read-only connection cannot migrate, so it needs a file that is already current."""
-    current = schema_version(con)
-    if current > SCHEMA_VERSION:
-        raise StoreError(
-            f"{label} has schema version {current}, newer than this SpecLab"
-            f" understands ({SCHEMA_VERSION}); upgrade SpecLab to open it"
-        )
+    current = _version(con, label)
     if current < SCHEMA_VERSION:
-        raise StoreError(
-            f"{label} has schema version {current} but {SCHEMA_VERSION} is needed and it is"
-            " open read-only; open it read-write once to migrate it"
-        )
+        raise StoreError(f"{label} has schema version {current} but {SCHEMA_VERSION} is needed"
+                         " and it is open read-only; open it read-write once to migrate it")
 
 
 @functools.cache
 def columns(table: str) -> tuple[tuple[str, str], ...]:
-    """(name, duckdb type) of a table at the latest version, in table order.
-
-    Derived by running the migrations in memory so that it also works while the real
-    file is locked (staging mode) and can never drift from the SQL above.
-    """
-    con = duckdb.connect(":memory:")
-    try:
-        migrate(con, ":memory:")
-        rows = con.execute(
-            "SELECT column_name, data_type FROM information_schema.columns"
-            " WHERE table_name = ? AND table_schema = 'main' ORDER BY ordinal_position",
-            [table],
-        ).fetchall()
-    finally:
-        con.close()
+    """(name, duckdb type) of a table at the latest version, in table order: derived by
+    migrating an in-memory database, so it works while the file is locked and never drifts."""
+    with duckdb.connect(MEMORY) as con:
+        migrate(con, MEMORY)
+        rows = con.execute("SELECT column_name, data_type FROM information_schema.columns WHERE"
+                           " table_name = ? AND table_schema = 'main' ORDER BY ordinal_position",
+                           [table]).fetchall()
     if not rows:
         raise KeyError(table)
     return tuple((str(name), str(dtype)) for name, dtype in rows)
 
 
 def arrow_schema(table: str) -> pa.Schema:
-    """Arrow schema matching the table, so inserts and Parquet files carry exact types."""
+    """Arrow schema of the table, so inserts and Parquet files carry exact types."""
     return pa.schema([(name, _ARROW_TYPES[dtype]) for name, dtype in columns(table)])

@@ -1,8 +1,8 @@
-"""Parquet staging for runs written while another process holds the database lock.
+"""Parquet staging of runs written while another process holds the database file.
 
-Layout: `<db path>.staging/<run_id>.steps.parquet` and `<run_id>.run.parquet`. The steps
-file is written first and each file appears atomically (temp name + os.replace), so a
-run file existing means the run is complete and safe to ingest.
+The Store uses stage() when the file is locked and ingest() on every read-write open.
+Layout: `<db path>.staging/<run_id>.steps.parquet` and `<run_id>.run.parquet`; the steps
+file is written first and each appears atomically, so a run file means a complete run.
 """
 
 from __future__ import annotations
@@ -16,7 +16,9 @@ import duckdb
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from .schema import PY_DEFAULTS, arrow_schema
+from .connection import insert, transaction
+from .errors import StoreError, reason
+from .rows import to_table
 
 RUN_SUFFIX = ".run.parquet"
 STEPS_SUFFIX = ".steps.parquet"
@@ -31,13 +33,13 @@ class StagedWrite:
     steps_file: Path
 
 
-def staging_dir(db_path: str) -> Path:
+def folder(db_path: str) -> Path:
     return Path(f"{db_path}.staging")
 
 
-def staged_write(db_path: str, run_id: str) -> StagedWrite:
-    folder = staging_dir(db_path)
-    return StagedWrite(run_id, folder / f"{run_id}{RUN_SUFFIX}", folder / f"{run_id}{STEPS_SUFFIX}")
+def _write(db_path: str, run_id: str) -> StagedWrite:
+    base = folder(db_path)
+    return StagedWrite(run_id, base / f"{run_id}{RUN_SUFFIX}", base / f"{run_id}{STEPS_SUFFIX}")
 
 
 def _write_atomic(table: pa.Table, target: Path) -> None:
@@ -52,9 +54,8 @@ def _write_atomic(table: pa.Table, target: Path) -> None:
 
 
 def stage(db_path: str, run: pa.Table, steps: pa.Table) -> StagedWrite:
-    """Write one run and its steps to the staging folder; returns where they went."""
-    run_id = str(run.column("run_id")[0].as_py())
-    write = staged_write(db_path, run_id)
+    """Write one run and its steps (tables from rows.to_table) to the staging folder."""
+    write = _write(db_path, str(run["run_id"][0].as_py()))
     write.run_file.parent.mkdir(parents=True, exist_ok=True)
     _write_atomic(steps, write.steps_file)
     _write_atomic(run, write.run_file)
@@ -63,74 +64,36 @@ def stage(db_path: str, run: pa.Table, steps: pa.Table) -> StagedWrite:
 
 def pending(db_path: str) -> list[StagedWrite]:
     """Complete staged runs (those with a run file), oldest file first."""
-    folder = staging_dir(db_path)
-    if not folder.is_dir():
+    if not folder(db_path).is_dir():
         return []
-    run_files = sorted(folder.glob(f"*{RUN_SUFFIX}"), key=lambda p: (p.stat().st_mtime, p.name))
-    return [staged_write(db_path, p.name[: -len(RUN_SUFFIX)]) for p in run_files]
-
-
-def _read(path: Path, table: str) -> pa.Table:
-    # Cast to the current schema: a file staged by an older schema gains its missing
-    # columns, as NULL or as the column's default (an old staged run is a 'speclab' run).
-    data = pq.read_table(path)
-    schema = arrow_schema(table)
-    defaults = PY_DEFAULTS.get(table, {})
-    arrays = [
-        data.column(f.name).cast(f.type) if f.name in data.column_names
-        else pa.array([defaults.get(f.name)] * data.num_rows, type=f.type)
-        for f in schema
-    ]
-    return pa.Table.from_arrays(arrays, schema=schema)
-
-
-def insert_arrow(con: duckdb.DuckDBPyConnection, table: str, data: pa.Table) -> None:
-    """Bulk INSERT ... BY NAME of a whole Arrow table (one statement, not row by row)."""
-    if data.num_rows == 0:
-        return
-    # An explicit view name: a replacement scan of a local called `steps` would lose
-    # to the real table of that name.
-    view = f"_speclab_new_{table}"
-    con.register(view, data)
-    try:
-        con.execute(f"INSERT INTO {table} BY NAME SELECT * FROM {view}")
-    finally:
-        con.unregister(view)
+    run_files = sorted(folder(db_path).glob(f"*{RUN_SUFFIX}"), key=lambda p: (p.stat().st_mtime, p.name))
+    return [_write(db_path, p.name[: -len(RUN_SUFFIX)]) for p in run_files]
 
 
 def _ingest_one(con: duckdb.DuckDBPyConnection, write: StagedWrite) -> bool:
-    """Insert one staged run in a transaction; False if it was already in the database."""
-    run = _read(write.run_file, "runs")
-    steps = _read(write.steps_file, "steps") if write.steps_file.exists() else None
-    exists = con.execute("SELECT count(*) FROM runs WHERE run_id = ?", [write.run_id]).fetchone()
-    if exists and exists[0]:
+    """Insert one staged run; False if it was already in the database. Files staged by an
+    older schema go through the same validator and so gain the columns they lack."""
+    run = to_table("runs", str(write.run_file), pq.read_table(write.run_file).to_pylist())
+    steps = (pq.read_table(write.steps_file).to_pylist() if write.steps_file.exists() else [])
+    steps = to_table("steps", str(write.steps_file), steps, parent=write.run_id)
+    if con.execute("SELECT count(*) FROM runs WHERE run_id = ?", [write.run_id]).fetchall()[0][0]:
         return False
-    con.execute("BEGIN TRANSACTION")
-    try:
-        insert_arrow(con, "runs", run)
-        if steps is not None:
-            insert_arrow(con, "steps", steps)
-        con.execute("COMMIT")
-    except BaseException:
-        con.execute("ROLLBACK")
-        raise
+    with transaction(con):
+        insert(con, "runs", run)
+        insert(con, "steps", steps)
     return True
 
 
-def ingest_staged(con: duckdb.DuckDBPyConnection, db_path: str) -> list[str]:
+def ingest(con: duckdb.DuckDBPyConnection, db_path: str) -> list[str]:
     """Move every complete staged run into the database; returns the run_ids inserted.
-
-    A file that cannot be ingested stays where it is (with a warning) so it is retried
-    on the next open rather than lost.
-    """
+    A file that cannot be ingested stays (with a warning) to be retried on the next open."""
     inserted: list[str] = []
     for write in pending(db_path):
         try:
             if _ingest_one(con, write):
                 inserted.append(write.run_id)
-        except (duckdb.Error, pa.ArrowException, OSError) as exc:
-            reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-            warnings.warn(f"staged run {write.run_file} not ingested, kept for retry ({reason})",
+        except (duckdb.Error, pa.ArrowException, OSError, StoreError) as exc:
+            warnings.warn(f"staged run {write.run_file} not ingested, kept for retry ({reason(exc)})",
                           stacklevel=2)
             continue
         write.run_file.unlink(missing_ok=True)

@@ -1,9 +1,8 @@
-"""The Store: runs and steps in a DuckDB file, with staging when another process holds it;
-plus profiling traces, cost tables and learned controllers (see tables.py)."""
+"""The Store: runs and steps in a DuckDB file, staged when another process holds it; plus
+profiling traces, cost tables and learned controllers."""
 
 from __future__ import annotations
 
-import datetime as dt
 import json
 import os
 import threading
@@ -18,39 +17,19 @@ import pandas as pd
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from . import connection
-from .connection import LockedError, acquire, connect_with_wait, release, unreadable
-from .errors import StoreError
-from .rows import json_text, prepare_run, prepare_steps, to_table
+from . import staging
+from .connection import (MEMORY, LockedError, acquire, connect_with_wait, insert, release,
+                         transaction, unreadable)
+from .errors import StoreError, reason
+from .rows import to_table
 from .schema import check_readable, columns, migrate
-from .staging import StagedWrite, ingest_staged, insert_arrow, stage, staging_dir
-from .tables import (COST_KEY, latest_costs_sql, next_version, pack_params, prepare_costs,
-                     prepare_trace, unpack_params)
-
-
-def _first_line(exc: BaseException) -> str:
-    text = str(exc).strip()
-    return text.splitlines()[0] if text else type(exc).__name__
-
-
-@contextmanager
-def _transaction(con: duckdb.DuckDBPyConnection, what: str) -> Iterator[duckdb.DuckDBPyConnection]:
-    """All or nothing: a DuckDB error rolls back and says in one line what was not stored."""
-    con.execute("BEGIN TRANSACTION")
-    try:
-        yield con
-        con.execute("COMMIT")
-    except duckdb.Error as exc:
-        con.execute("ROLLBACK")
-        raise StoreError(f"{what} not stored ({_first_line(exc)})") from None
-    except BaseException:
-        con.execute("ROLLBACK")
-        raise
-
+from .staging import StagedWrite
+from .tables import COST_KEY, latest_costs_sql, pack_params, prepare_costs, unpack_params
 
 # DuckDB gives int64 for an integer column without NULLs and Int64 with them; callers
 # concatenating or comparing frames need the same dtype whatever the data.
 _PANDAS_DTYPES = {"INTEGER": "Int32", "BIGINT": "Int64", "BOOLEAN": "boolean"}
+_CANNOT_READ = " and cannot be read now; try again once that process closes it"
 
 
 def _typed(df: pd.DataFrame, table: str) -> pd.DataFrame:
@@ -60,12 +39,21 @@ def _typed(df: pd.DataFrame, table: str) -> pd.DataFrame:
     return df
 
 
+def _run_tables(where: str, runs: Sequence[tuple[Mapping[str, Any], Sequence[Mapping[str, Any]]]]
+                ) -> tuple[pa.Table, pa.Table]:
+    """(runs table, steps table) of (run, steps) pairs, validated before any write."""
+    run_table = to_table("runs", where, [run for run, _ in runs])
+    steps = [to_table("steps", "steps", s or (), parent=run_id)
+             for run_id, (_, s) in zip(run_table["run_id"].to_pylist(), runs)]
+    return run_table, pa.concat_tables(steps) if steps else to_table("steps", "steps", [])
+
+
 class Store:
     """Handle on one SpecLab database file (or ":memory:").
 
     Attributes callers read: path, read_only, staged (True when the file was locked by
-    another process and writes go to Parquet staging), message (one line for the UI,
-    "" when there is nothing to say), staged_writes (StagedWrite per run staged by this
+    another process and runs go to Parquet staging), message (one line for the UI, ""
+    when there is nothing to say), staged_writes (StagedWrite per run staged by this
     Store), ingested (run_ids moved in from staging when this Store opened).
     """
 
@@ -84,8 +72,8 @@ class Store:
         self._holder_pid: int | None = None
         # A DuckDB cursor must not be used by two threads at once (Streamlit reruns do).
         self._lock = threading.RLock()
-        if self.path == connection.MEMORY:
-            self._con = duckdb.connect(connection.MEMORY)
+        if self.path == MEMORY:
+            self._con = duckdb.connect(MEMORY)
             migrate(self._con, self.path)
         else:
             self._open_file()
@@ -97,14 +85,15 @@ class Store:
 
     def _open_file(self) -> None:
         try:
-            shared, _fresh = acquire(self.path, self.read_only, self.wait_s)
+            shared = acquire(self.path, self.read_only, self.wait_s)
         except LockedError as exc:
             self._on_locked(exc.pid)
             return
         self._registered = True
         try:
-            self._con = shared.cursor()
-            self._prepare(self._con)
+            self._con = shared.con.cursor()
+            with shared.lock:  # Stores opening one fresh file at once must not all migrate it
+                self._prepare(self._con)
         except BaseException:
             self.close()
             raise
@@ -115,51 +104,46 @@ class Store:
                 check_readable(con, self.path)
                 return
             migrate(con, self.path)
-            self.ingested = ingest_staged(con, self.path)
+            self.ingested = staging.ingest(con, self.path)
+        except duckdb.TransactionException as exc:  # a conflict, not a bad file
+            raise StoreError(f"cannot set up {self.path}: another writer changed it at the same"
+                             f" time ({reason(exc)}); try again") from None
         except duckdb.Error as exc:
             raise unreadable(self.path, exc) from None
         if self.ingested:
             self.message = (f"ingested {len(self.ingested)} staged run(s) from"
-                            f" {staging_dir(self._name)}/")
+                            f" {staging.folder(self._name)}/")
 
-    def _locked_text(self, pid: int | None) -> str:
+    def _locked_text(self, pid: int | None, then: str = "") -> str:
         holder = f" (pid {pid})" if pid else ""
-        return f"{self._name} is locked by another process{holder}"
+        return f"{self._name} is locked by another process{holder}{then}"
 
     def _on_locked(self, pid: int | None) -> None:
         if self.read_only:
-            raise StoreError(f"{self._locked_text(pid)} and cannot be read now;"
-                             " try again once that process closes it")
+            raise StoreError(self._locked_text(pid, _CANNOT_READ))
         # Not failing here is the point: a finished generation must never be lost
         # because the UI (or a benchmark) happens to hold the file.
         self.staged = True
         self._holder_pid = pid
         self.message = (f"{self._locked_text(pid)}; runs are staged in"
-                        f" {staging_dir(self._name)}/ and ingested on next open")
+                        f" {staging.folder(self._name)}/ and ingested on next open")
 
     # ----- writing -------------------------------------------------------------------
     def add_run(self, run: Mapping[str, Any], steps: Sequence[Mapping[str, Any]] = ()) -> str:
         """Store one run and its steps atomically; returns its run_id."""
-        self._check_open()
-        if self.read_only:
-            raise StoreError(f"{self.path} is open read-only; cannot add a run")
-        run_row = prepare_run(run)
-        run_id: str = run_row["run_id"]
-        run_table = to_table("runs", "run", [run_row])
-        steps_table = to_table("steps", "steps", prepare_steps(run_id, steps or ()))
+        self._check_writable("a run")
+        run_table, steps_table = _run_tables("run", [(run, steps)])
+        run_id: str = run_table["run_id"][0].as_py()
         with self._lock:
             if self.staged:
-                self.staged_writes.append(stage(self.path, run_table, steps_table))
+                self.staged_writes.append(staging.stage(self.path, run_table, steps_table))
                 self.message = (f"{self._locked_text(self._holder_pid)}; run {run_id} staged in"
-                                f" {staging_dir(self._name)}/ and ingested on next open")
+                                f" {staging.folder(self._name)}/ and ingested on next open")
                 return run_id
-            self._insert(run_id, run_table, steps_table)
+            with self._writing(f"run {run_id}") as con:
+                insert(con, "runs", run_table)
+                insert(con, "steps", steps_table)
         return run_id
-
-    def _insert(self, run_id: str, run_table: Any, steps_table: Any) -> None:
-        with _transaction(self._cursor(), f"run {run_id}") as con:
-            insert_arrow(con, "runs", run_table)
-            insert_arrow(con, "steps", steps_table)
 
     def add_runs(self, runs: Sequence[tuple[Mapping[str, Any], Sequence[Mapping[str, Any]]]],
                  *, skip_existing: bool = False) -> list[str]:
@@ -168,71 +152,73 @@ class Store:
         With skip_existing, runs whose run_id is already stored are left out, so
         re-importing with deterministic ids adds nothing twice.
         """
-        run_rows = [prepare_run(run) for run, _ in runs]
-        step_rows = [row for run_row, (_, steps) in zip(run_rows, runs)
-                     for row in prepare_steps(run_row["run_id"], steps or ())]
-        run_table = to_table("runs", "runs", run_rows)
-        steps_table = to_table("steps", "steps", step_rows)
-        ids = [row["run_id"] for row in run_rows]
-        with self._writing(f"{len(ids)} runs") as con:
-            if skip_existing and ids:
+        self._check_writable("runs")
+        run_table, steps_table = _run_tables("runs", runs)
+        with self._writing(f"{len(runs)} runs") as con:
+            if skip_existing and len(runs):
                 there = con.execute("SELECT run_id FROM runs WHERE list_contains(?, run_id)",
-                                    [ids]).fetchall()
+                                    [run_table["run_id"].to_pylist()]).fetchall()
                 old = pa.array([r[0] for r in there], type=pa.string())
                 run_table = run_table.filter(pc.invert(pc.is_in(run_table["run_id"], old)))
                 steps_table = steps_table.filter(pc.invert(pc.is_in(steps_table["run_id"], old)))
-            insert_arrow(con, "runs", run_table)
-            insert_arrow(con, "steps", steps_table)
+            insert(con, "runs", run_table)
+            insert(con, "steps", steps_table)
         return [str(x) for x in run_table["run_id"].to_pylist()]
 
     def add_trace(self, trace: Mapping[str, Any], positions: Sequence[Mapping[str, Any]]) -> str:
         """Store one traced prompt and its per-position records atomically; returns trace_id."""
-        trace_id, trace_table, positions_table = prepare_trace(trace, positions or ())
+        self._check_writable("a trace")
+        trace_table = to_table("traces", "trace", [trace])
+        trace_id: str = trace_table["trace_id"][0].as_py()
+        positions_table = to_table("trace_positions", "positions", positions or (), parent=trace_id)
         with self._writing(f"trace {trace_id}") as con:
-            insert_arrow(con, "traces", trace_table)
-            insert_arrow(con, "trace_positions", positions_table)
+            insert(con, "traces", trace_table)
+            insert(con, "trace_positions", positions_table)
         return trace_id
 
     def add_costs(self, rows: Sequence[Mapping[str, Any]]) -> str:
         """Store one batch of cost measurements (one row per ctx_bucket); returns its cost_id."""
+        self._check_writable("costs")
         cost_id, table = prepare_costs(rows)
         with self._writing(f"costs {cost_id}") as con:
-            insert_arrow(con, "costs", table)
+            insert(con, "costs", table)
         return cost_id
 
     def add_controller(self, name: str, params: dict[str, np.ndarray], meta: dict[str, Any],
                        source: str, activate: bool = True) -> int:
         """Store a new version of a controller; returns it. activate makes it the only active one."""
+        self._check_writable("a controller")
         if not isinstance(name, str) or not name:
             raise StoreError(f"controller name must be a non-empty string, got {name!r}")
-        blob = pack_params(params)
-        meta_text = json_text(meta, f"controller {name!r} meta")
+        row = {"name": name, "source": source, "params": pack_params(params), "meta": meta,
+               "active": bool(activate)}
+        to_table("controllers", "controller", [row])  # validated before the transaction
         with self._writing(f"controller {name!r}") as con:
-            # Versioning and deactivation in the same transaction as the insert, so two
-            # writers can never both end up active or share a version.
-            version = next_version(con, name)
+            # Versioning and deactivation in the insert's transaction, so two writers can
+            # never both end up active or share a version.
+            row["version"] = con.execute("SELECT coalesce(max(version), 0) + 1 FROM controllers"
+                                         " WHERE name = ?", [name]).fetchall()[0][0]
             if activate:
                 con.execute("UPDATE controllers SET active = false WHERE name = ? AND active",
-                            [name])
-            con.execute(
-                "INSERT INTO controllers (name, version, created_at, source, params, meta, active)"
-                " VALUES (?, ?, ?, ?, ?, ?, ?)",
-                [name, version, dt.datetime.now(), source, blob, meta_text, bool(activate)],
-            )
-        return version
+                            [name]).fetchall()
+            insert(con, "controllers", to_table("controllers", "controller", [row]))
+        return int(row["version"])
 
-    @contextmanager
-    def _writing(self, what: str) -> Iterator[duckdb.DuckDBPyConnection]:
-        """A cursor inside one transaction; refuses read-only and locked files in one line."""
+    def _check_writable(self, what: str) -> None:
         self._check_open()
         if self.read_only:
             raise StoreError(f"{self.path} is open read-only; cannot add {what}")
+
+    @contextmanager
+    def _writing(self, what: str) -> Iterator[duckdb.DuckDBPyConnection]:
+        """The cursor inside one transaction; refuses a locked file in one line."""
         with self._lock:
             if self.staged:
                 # Only runs are staged (they must never be lost); these are cheap to redo.
                 raise StoreError(f"{self._locked_text(self._holder_pid)}; {what} not stored,"
                                  " retry once that process closes it")
-            with _transaction(self._cursor(), what) as con:
+            assert self._con is not None
+            with transaction(self._con, what) as con:
                 yield con
 
     # ----- reading -------------------------------------------------------------------
@@ -246,29 +232,32 @@ class Store:
 
     def _select(self, table: str, id_col: str, equals: Mapping[str, Any]) -> pd.DataFrame:
         known = [name for name, _ in columns(table)]
-        clauses: list[str] = []
-        params: list[Any] = []
-        for key, value in equals.items():
+        for key in equals:
             if key not in known:
                 raise StoreError(f"{table}(): unknown column {key!r} (known: {', '.join(known)})")
-            if value is None:
-                clauses.append(f'"{key}" IS NULL')
-            else:
-                clauses.append(f'"{key}" = ?')
-                params.append(value)
+        clauses = [f'"{k}" IS NULL' if v is None else f'"{k}" = ?' for k, v in equals.items()]
         where = f" WHERE {' AND '.join(clauses)}" if clauses else ""
         sql = f"SELECT * FROM {table}{where} ORDER BY created_at, {id_col}"
         with self._reader() as con:
+            params = [v for v in equals.values() if v is not None]
             return _typed(con.execute(sql, params).df(), table)
+
+    def _children(self, table: str, parent: str, id_col: str, order: str,
+                  parent_id: str | None) -> pd.DataFrame:
+        """Rows of one parent, or of all parents ordered like the parents, then by `order`."""
+        where = f" WHERE c.{id_col} = ?" if parent_id is not None else ""
+        sql = (f"SELECT c.* FROM {table} c LEFT JOIN {parent} p ON p.{id_col} = c.{id_col}{where}"
+               f" ORDER BY p.created_at, c.{id_col}, c.{order}")
+        with self._reader() as con:
+            return _typed(con.execute(sql, [] if parent_id is None else [parent_id]).df(), table)
+
+    def steps(self, run_id: str | None = None) -> pd.DataFrame:
+        """Steps of one run, or of all runs ordered like runs(), then by step."""
+        return self._children("steps", "runs", "run_id", "step", run_id)
 
     def trace_positions(self, trace_id: str | None = None) -> pd.DataFrame:
         """Positions of one trace, or of all traces ordered like traces(), then by position."""
-        where = " WHERE p.trace_id = ?" if trace_id is not None else ""
-        sql = (f"SELECT p.* FROM trace_positions p LEFT JOIN traces t ON t.trace_id = p.trace_id"
-               f"{where} ORDER BY t.created_at, p.trace_id, p.position")
-        with self._reader() as con:
-            df = con.execute(sql, [trace_id] if trace_id is not None else []).df()
-            return _typed(df, "trace_positions")
+        return self._children("trace_positions", "traces", "trace_id", "position", trace_id)
 
     def costs(self, device: str | None = None, target: str | None = None,
               draft: str | None = None, target_tier: str | None = None,
@@ -321,14 +310,6 @@ class Store:
         with self._reader() as con:
             return _typed(con.execute(sql).df(), "controllers")
 
-    def steps(self, run_id: str | None = None) -> pd.DataFrame:
-        """Steps of one run, or of all runs ordered like runs(), then by step."""
-        where = " WHERE s.run_id = ?" if run_id is not None else ""
-        sql = (f"SELECT s.* FROM steps s LEFT JOIN runs r ON r.run_id = s.run_id{where}"
-               " ORDER BY r.created_at, s.run_id, s.step")
-        with self._reader() as con:
-            return _typed(con.execute(sql, [run_id] if run_id is not None else []).df(), "steps")
-
     def run(self, run_id: str) -> dict[str, Any]:
         """One run as a dict of plain Python values (lists, datetime, None)."""
         with self._reader() as con:
@@ -344,24 +325,19 @@ class Store:
         self._check_open()
         with self._lock:
             if not self.staged:
-                yield self._cursor()
+                yield self._con
                 return
             # Staging mode: a short-lived read-only connection works once the other
             # process has let go; kept short so it never blocks a later read-write open.
             try:
                 con = connect_with_wait(self.path, read_only=True, wait_s=0.0)
             except LockedError as exc:
-                raise StoreError(f"{self._locked_text(exc.pid)} and cannot be read now;"
-                                 " try again once that process closes it") from None
+                raise StoreError(self._locked_text(exc.pid, _CANNOT_READ)) from None
             try:
                 check_readable(con, self.path)
                 yield con
             finally:
                 con.close()
-
-    def _cursor(self) -> duckdb.DuckDBPyConnection:
-        assert self._con is not None  # only called when not staged and open
-        return self._con
 
     def _check_open(self) -> None:
         if self._closed:

@@ -148,16 +148,16 @@ def test_engine_errors_are_one_line(app_env, monkeypatch):
 
 
 def test_replay_page_shows_policies_side_by_side_and_retrains(app_env, tiny_pair):
-    from engine.costs import measure
+    from engine.profiling import measure_costs
     from engine.profiling import Job, run_job, trace
 
     with Store(app_env) as s:
-        s.add_costs(measure(tiny_pair, buckets=(8,), reps=2).to_rows(2))
+        s.add_costs(measure_costs(tiny_pair, buckets=(8,), reps=2).to_rows(2))
         for task, prompt in [("code", "def f(x):"), ("chat", "Hi there"), ("math", "1+1="), ("chat", "Tell me")]:
             t = trace(tiny_pair, prompt, task, 16)
             s.add_trace(t.row, t.positions)
     at = AppTest.from_file(str(APP), default_timeout=120)
-    at.switch_page("pages/controllers.py").run()
+    at.switch_page("pages/replay.py").run()
     assert not at.exception and not _errors(at)
     assert at.title[0].value == "Replay & retrain"
     table = at.dataframe[0].value
@@ -183,6 +183,6 @@ def test_replay_page_shows_policies_side_by_side_and_retrains(app_env, tiny_pair
 
 def test_replay_page_without_traces_says_what_to_run(app_env):
     at = AppTest.from_file(str(APP), default_timeout=60)
-    at.switch_page("pages/controllers.py").run()
+    at.switch_page("pages/replay.py").run()
     assert not at.exception and not _errors(at)
     assert "python -m engine trace" in at.info[0].value

@@ -5,7 +5,8 @@ import torch
 
 from engine import invariance
 from engine.kv import new_cache
-from engine.speculative import crop_to, draft_read, forward_logits
+from engine.forward import crop_to, forward_logits
+from engine.oracles.model import draft_read
 
 
 def _tiny(tmp_path, dtype):
@@ -40,7 +41,13 @@ def test_row_invariant_reads_agree_in_any_chunking(tmp_path, dtype):
     with torch.inference_mode():
         exact, _ = forward_logits_of(_tiny(tmp_path, torch.float64), ids)
         plain_logits, _ = forward_logits_of(model, ids)
-        assert invariance.make_row_invariant(model)
+        if not invariance.make_row_invariant(model):
+            # Some CPUs round some row counts differently whatever the padding (fp32 on this one):
+            # then the probe must leave HF's forward in place, and the pair reads row by row
+            # (test_the_pair_reads_its_draft_in_chunks_that_match_one_at_a_time covers that path).
+            assert model.config._attn_implementation == "sdpa"
+            assert torch.equal(forward_logits_of(model, ids)[0], plain_logits)
+            return
         inv_logits, _ = forward_logits_of(model, ids)
         # The same model, only rounded differently: no further from float64 than HF's own forward.
         err_plain, err_inv = ((lg.double() - exact).abs().max() for lg in (plain_logits, inv_logits))
@@ -66,14 +73,14 @@ def test_a_rejected_model_is_left_as_it_was(tmp_path, monkeypatch):
 
 
 def test_the_pair_reads_its_draft_in_chunks_that_match_one_at_a_time(tiny_pair):
-    """Live catch-up (several tokens) lands where a trace (one at a time) does."""
-    assert tiny_pair.draft_row_invariant
+    """Live catch-up (several tokens) lands where a trace (one at a time) does, whichever way the
+    draft reads (row-invariant chunks where the load-time probe allowed it, row by row else)."""
     ids = [5 + (7 * i) % 70 for i in range(90)]
     with torch.inference_mode():
-        _, one = forward_logits(tiny_pair, tiny_pair.draft, ids[:10], None, keep=1)
+        _, one = forward_logits(tiny_pair.draft, ids[:10], None, 1, tiny_pair.vocab_size, gather=True)
         for t in ids[10:]:
             single, one = draft_read(tiny_pair, [t], one)
-        _, many = forward_logits(tiny_pair, tiny_pair.draft, ids[:10], None, keep=1)
+        _, many = forward_logits(tiny_pair.draft, ids[:10], None, 1, tiny_pair.vocab_size, gather=True)
         chunked, many = draft_read(tiny_pair, ids[10:], many)  # 80 tokens: more than CATCHUP_ROWS
         assert torch.equal(single, chunked)
         crop_to(one, 50), crop_to(many, 50)

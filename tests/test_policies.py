@@ -11,7 +11,7 @@ def _state(history=()):
 
 
 def _rec(k_chosen, k_drafted, accepted, ents=(), confs=()):
-    from engine.signals import summarize
+    from engine.records import signal_summary as summarize
 
     ents, confs = list(ents) or [0.5] * k_drafted, list(confs) or [0.9] * k_drafted
     return StepRecord(step=1, position=0, k_chosen=k_chosen, k_drafted=k_drafted, accepted=accepted,
@@ -115,7 +115,7 @@ def test_speckv_counts_the_predicted_rate_of_each_draft_length():
     """The MLP predicts accepted / k; a k-token draft then yields 1 + k·rate tokens on average."""
     import numpy as np
 
-    from engine.controllers import Predictor
+    from engine.predictor import Predictor
     from engine.policies.speckv import SpeckvPolicy
 
     rate = 0.5
@@ -130,7 +130,7 @@ def test_speckv_counts_the_predicted_rate_of_each_draft_length():
 def test_speckv_scales_its_predictor_by_what_this_generation_accepted():
     import numpy as np
 
-    from engine.controllers import Predictor
+    from engine.predictor import Predictor
     from engine.policies.speckv import FEEDBACK_PRIOR, SpeckvPolicy
 
     rate = 0.5

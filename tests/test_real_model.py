@@ -14,14 +14,14 @@ from engine import divergence
 from engine.models import load_pair
 from engine.policies import POLICY_EXAMPLES, make_policy
 from engine.prompts import bench_prompts
-from engine.speculative import Generation, GenConfig, encode_prompt
+from engine.generation import Generation, GenConfig, encode_prompt
 from tiny import synthetic_context
 
 MAX_NEW = 40
 NEAR_TIE = 1e-4  # top-2 logit margin under which fp rounding may pick either token
 PROMPTS = bench_prompts(1)  # one each of code, math, chat, summarization
 
-pytestmark = pytest.mark.filterwarnings("ignore::UserWarning:bitsandbytes")
+pytestmark = [pytest.mark.slow, pytest.mark.filterwarnings("ignore::UserWarning:bitsandbytes")]
 
 
 @pytest.fixture(scope="module", params=["fp32", "bf16"])

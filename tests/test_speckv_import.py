@@ -1,4 +1,4 @@
-"""store/speckv.py: SpecKV's real phase-2 step CSV becomes runs + steps; malformed files
+"""engine/importers/speckv.py: SpecKV's real phase-2 step CSV becomes runs + steps; malformed files
 are refused in one line naming file and line, and add nothing."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from store import Store, StoreError
-from store.speckv import COLUMNS, import_speckv
+from engine.importers.speckv import COLUMNS, import_speckv
 
 DATA = Path(__file__).resolve().parents[1] / "engine" / "data" / "speckv-phase2"  # vendored, MIT
 STEPS_CSV = DATA / "phase2_step_results.csv"

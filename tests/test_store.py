@@ -11,6 +11,7 @@ import json
 import math
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -335,6 +336,30 @@ def test_two_stores_in_one_process_share_the_file(db: Path) -> None:
         b.close()
     # Everything closed: the in-process DuckDB instance is gone, so another config opens.
     duckdb.connect(str(db), read_only=True).close()
+
+
+def test_four_threads_opening_one_fresh_file_all_store_their_run(tmp_path: Path) -> None:
+    # They used to race on creating the schema ("Catalog write-write conflict on create")
+    # and the loser then called the file "not a readable DuckDB database".
+    path = tmp_path / "fresh.duckdb"
+    start, errors = threading.Barrier(4), []
+
+    def work(i: int) -> None:
+        start.wait()
+        try:
+            with Store(path) as st:
+                st.add_run(make_run(run_id=f"t{i}"), make_steps(2))
+        except Exception as exc:  # noqa: BLE001 (reported by the assert below)
+            errors.append(exc)
+
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    assert errors == []
+    with Store(path) as st:
+        assert sorted(st.runs()["run_id"]) == ["t0", "t1", "t2", "t3"] and len(st.steps()) == 8
 
 
 # ----- unreadable files --------------------------------------------------------------------

@@ -2,6 +2,7 @@
 a model but not its quality. Built from a config in a second; nothing is downloaded."""
 from __future__ import annotations
 
+import functools
 import json
 import string
 from pathlib import Path
@@ -60,16 +61,18 @@ def save_tiny_llama(out: Path, seed: int, layers: int = 2, hidden: int = 32, ext
     return out
 
 
+@functools.lru_cache(maxsize=None)
 def synthetic_context(draft_ms: float = 1.0, verify0: float = 10.0, per_token: float = 0.5):
     """A PolicyContext for `speckv`/`rakv` without measuring or storing anything: verify over
     k + 1 tokens costs verify0 + k·per_token ms, and the MLP is fitted on made-up steps where
-    confident drafts are accepted and longer ones less."""
+    confident drafts are accepted and longer ones less. Made once per argument set: the
+    context is read-only, and fitting the MLP per generation would dominate the tests."""
     import numpy as np
 
     from engine.costs import CostTable
     from engine.policies import PolicyContext
     from engine.records import K_MAX
-    from engine.training import fit_mlp
+    from engine.retrain import fit_mlp
 
     rng = np.random.default_rng(0)
     x = np.column_stack([rng.uniform(0, 4, 400), rng.uniform(0.2, 1, 400), rng.uniform(0, 6, 400),

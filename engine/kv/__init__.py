@@ -1,4 +1,4 @@
-"""KV caches and tiers (DESIGN.md, "KV tiers, speculative coding, prefetch")."""
+"""KV caches and tiers (docs/architecture.md, "Where the next parts plug in")."""
 from engine.kv.cache import GrowingLayer, new_cache
 
 __all__ = ["GrowingLayer", "new_cache"]

@@ -1,8 +1,7 @@
 """A KV cache whose per-layer buffers grow by doubling.
 
-HF's DynamicLayer appends with `torch.cat`, re-copying the whole cache on every forward: at a
-few hundred tokens that is ~6% of a SmolLM2 decode step on this CPU, and it grows with the
-context. Here an append copies only the new tokens and a roll-back (`crop`) is a length change.
+HF's DynamicLayer appends with `torch.cat`, re-copying the whole cache on every forward, a
+cost that grows with the context. Here an append copies only the new tokens and a roll-back (`crop`) is a length change.
 The attention reads the same values, so outputs are bit-identical (tested against HF generate)."""
 from __future__ import annotations
 

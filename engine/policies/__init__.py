@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable
 
-from engine.controllers import Predictor
+from engine.predictor import Predictor
 from engine.costs import CostTable
 
 from engine.policies.base import BasePolicy, Policy

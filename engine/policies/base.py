@@ -1,4 +1,4 @@
-"""The Policy protocol every γ controller implements (DESIGN.md, "The decode step")."""
+"""The Policy protocol every γ controller implements (docs/architecture.md, "Policies and controllers")."""
 from __future__ import annotations
 
 from typing import Protocol, runtime_checkable
@@ -62,7 +62,7 @@ def _paid(run: list[StepRecord], costs: CostTable) -> bool:
     """Whether a drafting run between plain steps beat plain decoding after its first step (the
     one that found it: a probe, or the opening guess). Judged by outcome in the cost table's time,
     not by the policy's hopes: a probe whose token was accepted and that led to one unlucky k = 2
-    step bought nothing, and going by "the policy went on drafting" (as before) reset the wait to
+    step bought nothing, and judging by "the policy went on drafting" would reset the wait to
     PROBE_AFTER after it, again and again on a tier where drafting barely pays. The table's time,
     not the measured one, keeps replay exact."""
     bought = run[1:]

@@ -1,4 +1,4 @@
-"""`rakv`: RAKV-ASD's draft-length rule (DESIGN.md, "Controllers"). An EWMA of per-token
+"""`rakv`: RAKV-ASD's draft-length rule (docs/architecture.md, "Policies and controllers"). An EWMA of per-token
 acceptance α (the engine keeps it) and the measured cost table give, for every k in
 {0, 1, 2, 4, 6, 8}, the expected cost per token; the cheapest wins, so plain decoding (k = 0)
 is chosen whenever speculation would not pay. Prefix reuse (the `reuse` half of its action)
@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from engine.controllers import candidates, expected_tokens
+from engine.predictor import candidates, expected_tokens
 from engine.costs import CostTable
 from engine.policies.base import BasePolicy, probe_due
 from engine.records import Action, DecodeState

@@ -1,4 +1,4 @@
-"""`speckv`: the SpecKV controller, fixed (DESIGN.md, "Controllers"). A small MLP predicts the
+"""`speckv`: the SpecKV controller, fixed (docs/architecture.md, "Policies and controllers"). A small MLP predicts the
 acceptance rate of a γ-token draft from the draft's uncertainty, the target's compression and γ;
 the policy picks the γ with the most expected tokens per measured millisecond.
 
@@ -11,15 +11,16 @@ from __future__ import annotations
 
 import numpy as np
 
-from engine.controllers import PAPER_CANDIDATES, Predictor, candidates, feature_rows, last_drafting, signals_before
+from engine.predictor import (PAPER_CANDIDATES, Predictor, candidates, feature_rows, last_drafting, signals_before,
+                              tokens_from_rate)
 from engine.costs import CostTable
 from engine.policies.base import BasePolicy, probe_due
 from engine.records import Action, DecodeState, StepRecord
 
 
 # The MLP is fitted on other prompts, and the policy drafts where it predicts the most: on texts
-# unlike its training set it overestimates there (one live benchmark on held-out prompts at bf16:
-# rate 0.58 predicted, 0.48 accepted). So its rates are scaled by this generation's
+# unlike its training set it overestimates there (held-out prompts at bf16 in `bench controllers
+# live` showed it). So its rates are scaled by this generation's
 # (accepted + FEEDBACK_PRIOR) / (predicted + FEEDBACK_PRIOR) over the drafts it chose (probes are
 # not its choice): the prior counts as that many tokens accepted as predicted, so a first 2-token
 # draft predicted at 0.6 and rejected moves the scale to 4 / 5.2, not to zero.
@@ -68,7 +69,7 @@ class SpeckvPolicy(BasePolicy):
         if self._last and self._last[0] == key:
             return self._last[1]
         ks, rate = self._rates(state, grid, drafted)
-        e = 1.0 + ks * np.minimum(rate * scale, 1.0)
+        e = tokens_from_rate(ks, np.minimum(rate * scale, 1.0))
         ms = np.array([self.costs.step_ms(int(k), state.context_len) for k in ks])
         best = int(np.argmax(e / ms))
         self._last = (key, (int(ks[best]), float(e[best]), float(rate[best])))
@@ -76,15 +77,13 @@ class SpeckvPolicy(BasePolicy):
 
     def _paper(self, state: DecodeState) -> tuple[int, float, float]:
         ks, rate = self._rates(state, PAPER_CANDIDATES)
-        best = int(np.argmax(1.0 + ks * rate))  # SpecKV: â·γ + 1, cost ignored
-        return int(ks[best]), float(1.0 + ks[best] * rate[best]), float(rate[best])
+        e = tokens_from_rate(ks, rate)  # SpecKV: â·γ + 1, cost ignored
+        best = int(np.argmax(e))
+        return int(ks[best]), float(e[best]), float(rate[best])
 
     def _rates(self, state: DecodeState, grid: tuple[int, ...], drafted=None) -> tuple[np.ndarray, np.ndarray]:
-        """(candidates, the MLP's predicted rate = accepted / k of each). A k-token draft then
-        yields 1 + k·rate tokens: 1 + α + … + α^k (DESIGN.md) for the per-token α whose drafts
-        keep that rate on average (α + … + α^k = k·rate); putting the rate itself in for α, as
-        before, undercounts long drafts (α = 0.7 at k = 4: rate 0.44, 1.76 tokens instead of
-        2.77). Row k = 0 only fills the batch: a plain step yields exactly one token."""
+        """(candidates, the MLP's predicted rate = accepted / k of each; see tokens_from_rate).
+        Row k = 0 only fills the batch: a plain step yields exactly one token."""
         ks = np.array(grid)
         x = feature_rows(signals_before(state, self.predictor.defaults, drafted), state.target_tier, grid)
         return ks, self.predictor.predict(x)

@@ -2,10 +2,11 @@
 
 SpecKV (arXiv 2605.02888) profiled Llama-3.2 1B -> 3B at fp16/int8/nf4 with fixed gamma;
 its per-step records are training data for a SpecKV-style controller, so they go into
-the same runs/steps tables as our own runs. The file has no prompt column: runs are
-recovered from file order (a run ends when (compression, gamma, task) changes or `step`
-restarts at 0). Run ids derive from the file's hash, so importing a file twice adds
-nothing the second time; a malformed file adds nothing at all.
+the same runs/steps tables as our own runs, through the public Store API. The file has
+no prompt column: runs are recovered from file order (a run ends when (compression,
+gamma, task) changes or `step` restarts at 0). Run ids derive from the file's hash, so
+importing a file twice adds nothing the second time; a malformed file adds nothing.
+Torch-free, like the store.
 """
 
 from __future__ import annotations
@@ -15,19 +16,16 @@ import hashlib
 import io
 import math
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from .errors import StoreError
-from .store import Store
+from store import Store, StoreError
 
 COLUMNS = ("compression", "gamma", "task", "step", "accepted", "acceptance_rate",
            "tokens_produced", "mean_draft_entropy", "mean_draft_confidence",
            "max_draft_entropy", "min_draft_confidence")
 _COUNTS = ("gamma", "step", "accepted", "tokens_produced")
-_STATS = ("acceptance_rate", "mean_draft_entropy", "mean_draft_confidence",
-          "max_draft_entropy", "min_draft_confidence")
 TARGET = "Llama-3.2-3B-Instruct"
 DRAFT = "Llama-3.2-1B-Instruct"
 
@@ -44,7 +42,7 @@ class ImportReport:
 
 @dataclass
 class _Group:
-    """One recovered run: its CSV rows, in file order."""
+    """One recovered run: its key, its prompt's index under that key, its parsed rows."""
 
     compression: str
     gamma: int
@@ -53,12 +51,17 @@ class _Group:
     rows: list[dict[str, Any]] = field(default_factory=list)
 
 
-def _count(where: str, name: str, text: str) -> int:
-    """A non-negative whole number; SpecKV wrote them as ints, a float like 2.0 is fine."""
+def _number(where: str, name: str, text: str) -> float | int | None:
+    """Counts are non-negative whole numbers (2.0 is fine); statistics are floats, with an
+    empty or NaN one stored as NULL (NaN would poison SQL averages)."""
+    if name not in _COUNTS and not text.strip():
+        return None
     try:
         value = float(text)
     except ValueError:
         raise StoreError(f"{where}: column {name} is not a number ({text!r})") from None
+    if name not in _COUNTS:
+        return None if math.isnan(value) else value
     if math.isnan(value):
         raise StoreError(f"{where}: column {name} is NaN")
     if not value.is_integer():
@@ -68,39 +71,15 @@ def _count(where: str, name: str, text: str) -> int:
     return int(value)
 
 
-def _stat(where: str, name: str, text: str) -> float | None:
-    """A float statistic; empty or NaN becomes NULL (NaN would poison SQL averages)."""
-    if not text.strip():
-        return None
-    try:
-        value = float(text)
-    except ValueError:
-        raise StoreError(f"{where}: column {name} is not a number ({text!r})") from None
-    return None if math.isnan(value) else value
-
-
-def _check_header(label: str, header: Sequence[str]) -> list[str]:
-    names = [h.strip() for h in header]
-    missing = [c for c in COLUMNS if c not in names]
-    extra = [c for c in names if c not in COLUMNS]
-    if missing or extra or len(names) != len(set(names)):
-        parts = ([f"missing column(s) {', '.join(missing)}"] if missing else []) + \
-                ([f"unexpected column(s) {', '.join(extra)}"] if extra else []) + \
-                ([] if len(names) == len(set(names)) else ["a repeated column"])
-        raise StoreError(f"{label} line 1: not a SpecKV step CSV ({'; '.join(parts)})")
-    return names
-
-
 def _parse_row(where: str, row: Mapping[str, str]) -> dict[str, Any]:
     out: dict[str, Any] = {}
-    for name in ("compression", "task"):
-        if not row[name].strip():
-            raise StoreError(f"{where}: column {name} is empty")
-        out[name] = row[name].strip()
-    for name in _COUNTS:
-        out[name] = _count(where, name, row[name])
-    for name in _STATS:
-        out[name] = _stat(where, name, row[name])
+    for name in COLUMNS:
+        if name in ("compression", "task"):
+            if not row[name].strip():
+                raise StoreError(f"{where}: column {name} is empty")
+            out[name] = row[name].strip()
+        else:
+            out[name] = _number(where, name, row[name])
     if out["gamma"] < 1:
         raise StoreError(f"{where}: gamma is {out['gamma']}, must be at least 1")
     if out["accepted"] > out["gamma"]:
@@ -111,17 +90,17 @@ def _parse_row(where: str, row: Mapping[str, str]) -> dict[str, Any]:
     return out
 
 
-def parse(data: bytes, label: str) -> list[_Group]:
-    """CSV bytes -> runs in file order; raises StoreError naming the file and line."""
-    try:
-        text = data.decode("utf-8-sig")
-    except UnicodeDecodeError as exc:
-        raise StoreError(f"{label} is not UTF-8 text ({exc.reason} at byte {exc.start})") from None
+def parse(text: str, label: str) -> list[_Group]:
+    """CSV text -> runs in file order; raises StoreError naming the file and line."""
     reader = csv.reader(io.StringIO(text))
-    header = next(reader, None)
-    if header is None:
-        raise StoreError(f"{label} is empty")
-    names = _check_header(label, header)
+    names = [h.strip() for h in next(reader, [])]
+    missing = [c for c in COLUMNS if c not in names]
+    extra = [c for c in names if c not in COLUMNS]
+    problems = ([f"missing column(s) {', '.join(missing)}"] if missing else []) + \
+               ([f"unexpected column(s) {', '.join(extra)}"] if extra else []) + \
+               ([] if len(names) == len(set(names)) else ["a repeated column"])
+    if problems:
+        raise StoreError(f"{label} line 1: not a SpecKV step CSV ({'; '.join(problems)})")
     groups: list[_Group] = []
     prompts: dict[tuple[str, int, str], int] = {}
     for fields in reader:
@@ -199,8 +178,12 @@ def import_speckv(store: Store, path: str | os.PathLike[str]) -> ImportReport:
         raise StoreError(f"cannot read {label} ({exc.strerror or exc})") from None
     if not data.strip():
         raise StoreError(f"{label} is empty")
+    try:
+        text = data.decode("utf-8-sig")
+    except UnicodeDecodeError as exc:
+        raise StoreError(f"{label} is not UTF-8 text ({exc.reason} at byte {exc.start})") from None
     sha = hashlib.sha256(data).hexdigest()
-    groups = parse(data, label)
+    groups = parse(text, label)
     basename = os.path.basename(label)
     runs = [(_run(g, i, sha, basename), [_step(r) for r in g.rows]) for i, g in enumerate(groups)]
     added = set(store.add_runs(runs, skip_existing=True))

@@ -1,6 +1,6 @@
 """Learned γ controllers as plain arrays: the SpecKV acceptance predictor (a 16-unit MLP, or the
 100-tree forest kept as the accurate-but-slow reference), its features, and the objectives that
-turn a prediction into a draft length (DESIGN.md, "Controllers").
+turn a prediction into a draft length (docs/architecture.md, "Policies and controllers").
 
 Numpy only: a decision is a handful of tiny matmuls, and a controller is stored as named arrays
 (an .npz in DuckDB), never as a pickled estimator."""
@@ -108,6 +108,14 @@ def expected_tokens(alpha: np.ndarray | float, k: np.ndarray) -> np.ndarray:
     1 + α + … + α^k = (1 − α^(k+1)) / (1 − α)."""
     alpha = np.clip(np.asarray(alpha, dtype=np.float64), 0.0, 1.0 - 1e-9)
     return (1.0 - alpha ** (np.asarray(k) + 1)) / (1.0 - alpha)
+
+
+def tokens_from_rate(k: np.ndarray | float, rate: np.ndarray | float) -> np.ndarray | float:
+    """E[tokens] of a step drafting k whose drafts are accepted at `rate` (accepted / k): one
+    target token always, plus k·rate drafted ones. That is 1 + α + … + α^k for the per-token α
+    whose drafts keep that rate on average (α + … + α^k = k·rate); putting the rate itself in
+    for α undercounts long drafts (α = 0.7 at k = 4: rate 0.44, 1.76 tokens instead of 2.77)."""
+    return 1.0 + np.asarray(k) * rate
 
 
 def candidates(state: DecodeState, grid: tuple[int, ...] = CANDIDATES) -> tuple[int, ...]:

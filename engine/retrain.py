@@ -1,4 +1,4 @@
-"""Retraining the SpecKV controller from the store (DESIGN.md, "Controllers").
+"""Retraining the SpecKV controller from the store (docs/architecture.md, "Policies and controllers").
 
 Examples come from one of three sources, each row [mean H, mean c, H_max, c_min, compression, γ]
 → acceptance rate (accepted / γ):
@@ -15,15 +15,16 @@ as the reference."""
 from __future__ import annotations
 
 import random
-import statistics
-import time
 from dataclasses import asdict, dataclass
 
 import numpy as np
 import pandas as pd
 
-from engine.controllers import FEATURES, PAPER_CANDIDATES, Predictor, compression_code
+from engine.common import median_ms
+from engine.policies.fixed import FixedPolicy
+from engine.predictor import FEATURES, PAPER_CANDIDATES, Predictor, compression_code, tokens_from_rate
 from engine.records import DecodeState
+from engine.whatif import replay
 
 TRACE_GAMMAS = (1, 2, 4, 6, 8)
 
@@ -64,31 +65,28 @@ def from_live_steps(steps: pd.DataFrame, runs: pd.DataFrame) -> Examples:
 
 
 def from_traces(traces: pd.DataFrame, positions: pd.DataFrame, gammas: tuple[int, ...] = TRACE_GAMMAS) -> Examples:
+    """Each trace replayed as fixed:g for every g in `gammas`; after every drafting step of a
+    walk, the next drafting step's position is labelled for every γ from the trace's L(p), with
+    the step's signals as features. Every γ, not only the walk's own: live, the signals of a
+    one-token probe are what a γ = 8 decision reads, and a model that had only seen 8-token
+    signals beside γ = 8 takes a lone confident token for a confident run of eight."""
     rows, ys, groups, strata = [], [], [], []
-    by_trace = {tid: df for tid, df in positions.groupby("trace_id", sort=False)}
-    for t in traces.itertuples():
-        at = {int(r.position): r for r in by_trace.get(t.trace_id, pd.DataFrame()).itertuples()}
-        n_out, comp = len(t.token_ids), compression_code(t.target_tier)
-        for g in gammas:  # walk the trace as fixed:g would
-            pos, prev = 1, None
-            while pos < n_out:
-                left = t.max_new_tokens - pos - 1
-                k = min(g, left)
-                if k < 1:
-                    break
-                a = at[pos]
-                n = min(int(a.accept_len), k)
+    by_trace = {tid: df.to_dict("records") for tid, df in positions.groupby("trace_id", sort=False)}
+    for t in traces.to_dict("records"):
+        trace_rows = by_trace.get(t["trace_id"], [])
+        at = {int(r["position"]): int(r["accept_len"]) for r in trace_rows}
+        comp, stratum = compression_code(t["target_tier"]), f"{t['target_tier']}/{t['task'] or '-'}"
+        for g in gammas:
+            prev = None
+            for r in replay(FixedPolicy(g), t, trace_rows).steps[1:]:
+                if not r.k_drafted:  # the last position, where only the target's token fits
+                    continue
                 if prev is not None:
-                    # Every γ is labelled here, not only the walk's own: live, the signals of
-                    # a one-token probe are what a γ = 8 decision reads, and a model that had only
-                    # seen 8-token signals beside γ = 8 takes a lone confident token for a
-                    # confident run of eight.
+                    left = t["max_new_tokens"] - r.position - 1
                     for c in sorted({min(c, left) for c in gammas}):
-                        rows.append([*prev, comp, c]), ys.append(min(int(a.accept_len), c) / c)
-                        groups.append(t.prompt), strata.append(f"{t.target_tier}/{t.task or '-'}")
-                ent, conf = list(a.entropies[:k]), list(a.confidences[:k])
-                prev = (sum(ent) / k, sum(conf) / k, max(ent), min(conf))
-                pos += n + 1
+                        rows.append([*prev, comp, c]), ys.append(min(at[r.position], c) / c)
+                        groups.append(t["prompt"]), strata.append(stratum)
+                prev = (r.mean_entropy, r.mean_confidence, r.max_entropy, r.min_confidence)
     return _examples(rows, ys, groups, strata)
 
 
@@ -176,7 +174,8 @@ def predictor_scored(pred: Predictor, x: np.ndarray, tiers: np.ndarray) -> dict:
     its γ choice vs γ = 4 and vs the best fixed γ per tier (also judged by the predictor).
     Self-scored: it says what the predictor believes, not what a run would do."""
     sig = x[:, :4]
-    est = {g: pred.predict(np.column_stack([sig, x[:, 4], np.full(len(x), g)])) * g + 1 for g in PAPER_CANDIDATES}
+    est = {g: tokens_from_rate(g, pred.predict(np.column_stack([sig, x[:, 4], np.full(len(x), g)])))
+           for g in PAPER_CANDIDATES}
     table = np.column_stack([est[g] for g in PAPER_CANDIDATES])  # [N, 4]
     chosen = table.max(axis=1)
     best_fixed = np.zeros(len(x))
@@ -194,17 +193,7 @@ def decision_ms(pred: Predictor, costs=None, n: int = 2000) -> float:
 
     policy = SpeckvPolicy(pred, costs, objective="tps" if costs else "paper")
     state = DecodeState(step=1, position=1, context_len=64, remaining=100, target_tier="fp32", kv_tier="native")
-    return median_ms(lambda: policy.choose(state), n)
-
-
-def median_ms(fn, reps: int) -> float:
-    """Median wall time of `fn()` in ms over `reps` calls, the first tenth discarded (warm-up)."""
-    times = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        fn()
-        times.append((time.perf_counter() - t0) * 1e3)
-    return statistics.median(times[reps // 10:])
+    return median_ms(lambda: policy.choose(state), n - n // 10, warmup=n // 10)
 
 
 @dataclass

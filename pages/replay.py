@@ -10,8 +10,7 @@ import os
 import pandas as pd
 import streamlit as st
 
-from engine.lab import calibrate_all, replay_all, retrain
-from engine.whatif import summarize
+from engine.service import calibrate_all, replay_rows, retrain
 from pages.common import settings, show_error
 from store import Store
 
@@ -67,7 +66,7 @@ if overview is not None:
         if chosen:
             try:
                 with Store(db, read_only=True, wait_s=3.0) as s:
-                    rows = summarize(replay_all(s, chosen))
+                    rows = replay_rows(s, chosen, None, by="task")
                 st.subheader("Side by side (exact replay, measured costs)")
                 st.dataframe(_side_by_side(rows), width="stretch")
                 st.caption("Best per tier: " + ", ".join(f"{t}: {p}" for t, p in _best(rows).items()))

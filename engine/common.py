@@ -1,0 +1,38 @@
+"""Small helpers every layer shares, torch-free: the default database, one-line errors (the
+store's formatter), the median timer, comma lists."""
+from __future__ import annotations
+
+import os
+import statistics
+import time
+from typing import Callable
+
+from store.errors import one_line  # noqa: F401  (re-exported: one formatter for every layer)
+
+DEFAULT_DB = "speclab.duckdb"
+
+
+def default_db() -> str:
+    """The database every command, page and benchmark uses unless told: $SPECLAB_DB, else
+    speclab.duckdb in the working directory."""
+    return os.environ.get("SPECLAB_DB") or DEFAULT_DB
+
+
+def median_ms(fn: Callable[[], object], reps: int, warmup: int = 0,
+              sync: Callable[[], None] = lambda: None) -> float:
+    """Median wall time of `fn()` in ms over `reps` timed calls after `warmup` untimed ones.
+    `sync` waits for queued device work (CUDA is asynchronous) before each clock read."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(reps):
+        sync()
+        t0 = time.perf_counter()
+        fn()
+        sync()
+        times.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(times)
+
+
+def csv_list(text: str) -> list[str]:
+    return [x.strip() for x in text.split(",") if x.strip()]

@@ -1,0 +1,116 @@
+"""A live generation: the model-backed oracles under the one step loop (engine/step.py), with
+the clock on the wall. Also the prompt encoding and the `runs` row a finished run leaves."""
+from __future__ import annotations
+
+import math
+import random
+from dataclasses import asdict, dataclass, field
+from typing import Iterator
+
+import torch
+
+from engine.forward import WallClock
+from engine.models import KV_TIERS, ModelPair
+from engine.oracles.model import DraftModelProposer, TargetVerifier
+from engine.policies import Policy
+from engine.records import RunSummary, StepRecord
+from engine.sampling import Sampler
+from engine.step import Setting, decode, summarize
+
+
+@dataclass(frozen=True)
+class GenConfig:
+    max_new_tokens: int = 128  # generated tokens, EOS included
+    temperature: float = 0.0  # 0 = greedy; > 0 = exact speculative sampling
+    top_p: float = 1.0  # nucleus filter applied to both q and p before acceptance
+    seed: int | None = None  # sampling seed; drawn (and recorded with the run) when None
+    kv_tier: str = "native"  # KV cache tier (only `native` until the KV codec lands)
+
+    def validate(self) -> None:
+        if self.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be ≥ 1, got {self.max_new_tokens}")
+        if not (self.temperature >= 0 and math.isfinite(self.temperature)):
+            raise ValueError(f"temperature must be a finite number ≥ 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.kv_tier not in KV_TIERS:
+            raise ValueError(f"unknown KV tier {self.kv_tier!r}; available: {', '.join(KV_TIERS)}")
+
+
+def encode_prompt(tokenizer, prompt: str, chat: bool) -> list[int]:
+    if not prompt:
+        raise ValueError("the prompt is empty")
+    if chat:
+        if not getattr(tokenizer, "chat_template", None):
+            raise ValueError("--chat asked for, but this tokenizer has no chat template")
+        msgs = [{"role": "user", "content": prompt}]
+        text = tokenizer.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False)
+        return tokenizer(text, add_special_tokens=False)["input_ids"]
+    return tokenizer(prompt)["input_ids"]
+
+
+@dataclass
+class Generation:
+    """One generation. Iterate it to stream `StepRecord`s; afterwards `summary`, `token_ids`
+    and `records` hold the run."""
+
+    pair: ModelPair
+    prompt_ids: list[int]
+    policy: Policy
+    cfg: GenConfig = field(default_factory=GenConfig)
+    seed: int | None = field(init=False)  # cfg.seed, or the one drawn for a sampling run
+    token_ids: list[int] = field(init=False, default_factory=list)
+    records: list[StepRecord] = field(init=False, default_factory=list)
+    summary: RunSummary | None = field(init=False, default=None)
+
+    def __post_init__(self) -> None:
+        self.cfg.validate()
+        if not self.prompt_ids:
+            raise ValueError("the prompt encodes to no tokens")
+        if len(self.prompt_ids) >= self.pair.max_context:
+            raise ValueError(f"the prompt is {len(self.prompt_ids)} tokens, over the target's context of "
+                             f"{self.pair.max_context}")
+        self.seed = self.cfg.seed
+        if self.seed is None and self.cfg.temperature > 0:
+            self.seed = random.randrange(2**31)
+
+    def __iter__(self) -> Iterator[StepRecord]:
+        assert not self.records, "a Generation runs once; make a new one"
+        pair, cfg, n_prompt = self.pair, self.cfg, len(self.prompt_ids)
+        sampler = Sampler(cfg.temperature, cfg.top_p, self.seed, pair.device)
+        verifier = TargetVerifier(pair, self.prompt_ids, sampler)
+        proposer = DraftModelProposer(pair, self.prompt_ids, sampler)
+        budget = min(cfg.max_new_tokens, pair.max_context - n_prompt)
+        clock = WallClock(pair.device)
+        t_start = clock()
+        with torch.inference_mode():
+            for rec in decode(proposer, verifier, self.policy, Setting(n_prompt, budget, pair.target_tier, cfg.kv_tier), clock):
+                self.records.append(rec)
+                self.token_ids.extend(rec.token_ids)
+                yield rec
+        stop = "eos" if verifier.ended else "max_new_tokens" if budget == cfg.max_new_tokens else "context"
+        self.summary = summarize(self.records, clock() - t_start, stop)
+
+    def run(self) -> "Generation":
+        """Run to the end without streaming."""
+        for _ in self:
+            pass
+        return self
+
+
+def run_row(gen: Generation, prompt: str, policy_spec: str, chat: bool, task: str | None = None) -> dict:
+    """The `runs` row for a finished generation (the store's schema)."""
+    s, pair, cfg = gen.summary, gen.pair, gen.cfg
+    assert s is not None, "the generation has not run"
+    return dict(
+        target=pair.target_name, draft=pair.draft_name, target_tier=pair.target_tier,
+        kv_tier=cfg.kv_tier, device=str(pair.device), policy=policy_spec, prompt=prompt, task=task,
+        chat=chat, temperature=cfg.temperature, top_p=cfg.top_p, seed=gen.seed,
+        max_new_tokens=cfg.max_new_tokens,
+        output=pair.tokenizer.decode(gen.token_ids, skip_special_tokens=True),
+        token_ids=list(gen.token_ids), n_tokens=s.n_tokens, n_steps=s.n_steps,
+        tokens_per_s=s.tokens_per_s, ttft_ms=s.ttft_ms, wall_ms=s.wall_ms,
+        tokens_per_step=s.tokens_per_step, mean_accepted=s.mean_accepted,
+        acceptance_rate=s.acceptance_rate, stop_reason=s.stop_reason, error=None,
+        config=dict(asdict(cfg), seed=gen.seed, draft_tier=pair.draft_tier, n_prompt_tokens=len(gen.prompt_ids)),
+    )

@@ -1,0 +1,1 @@
+"""Importers: outside data turned into SpecLab runs."""

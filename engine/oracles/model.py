@@ -1,0 +1,118 @@
+"""Model-backed oracles: the draft model proposes, the target verifies. Each owns its KV cache
+and what it has read; the step loop hands them only tokens (docs/architecture.md, "Oracles")."""
+from __future__ import annotations
+
+import contextlib
+from typing import Callable
+
+import torch
+
+from engine import invariance
+from engine.forward import crop_to, forward_logits
+from engine.models import ModelPair
+from engine.records import DraftToken
+from engine.sampling import Sampler, draft_signals
+from engine.step import draft_tokens
+
+
+def draft_read(pair: ModelPair, ids: list[int], cache) -> tuple[torch.Tensor, object]:
+    """The draft reads `ids` after `cache`: logits [1, V] of the last. Its state at a position
+    must never depend on how many tokens each read took (the policy's path), or live runs would
+    not replay their traces: a row-invariant draft reads in chunks the load-time probe checked,
+    any other row by row (engine/invariance.py)."""
+    if not pair.draft_row_invariant:
+        with invariance.verifying() if len(ids) > 1 else contextlib.nullcontext():
+            return forward_logits(pair.draft, ids, cache, 1, pair.vocab_size, gather=True)
+    for i in range(0, len(ids), invariance.CATCHUP_ROWS):
+        logits, cache = forward_logits(pair.draft, ids[i : i + invariance.CATCHUP_ROWS], cache, 1, pair.vocab_size,
+                                       gather=True)
+    return logits, cache
+
+
+class DraftModelProposer:
+    """Drafts token by token with the pair's draft. It reads the context lazily (a run that never
+    drafts never pays the draft's prefill): the prompt alone first, as a trace reads it, then the
+    tokens emitted since it last read, in one catch-up read."""
+
+    def __init__(self, pair: ModelPair, prompt_ids: list[int], sampler: Sampler) -> None:
+        self.pair, self.prompt_ids, self.sampler = pair, prompt_ids, sampler
+        self.cache = None  # the draft's KV cache; None until it first drafts
+        self.pending: list[int] = []  # context tokens not read yet, ending at the newest one
+        self._kept = 0  # cache length before the last proposal's drafted tokens
+        self._drafted = 0
+
+    def propose(self, k: int, keep_drafting: Callable[[int, DraftToken], bool]) -> list[DraftToken]:
+        self._drafted = 0
+        if k == 0:
+            return []
+        if self.cache is None:
+            _, self.cache = self._read(self.prompt_ids)
+        self._kept = self.cache.get_seq_length() + len(self.pending)
+        feed = self.pending
+
+        def next_token(j: int) -> DraftToken:
+            nonlocal feed
+            logits, self.cache = self._read(feed)  # [1, V]
+            x, p = self.sampler.choose(logits[0])  # p: [V], the law x was drawn from
+            feed = [x]
+            return DraftToken(x, *draft_signals(p), p=p)
+
+        drafted = draft_tokens(k, keep_drafting, next_token)
+        self._drafted = len(drafted)
+        return drafted
+
+    def update(self, accepted: int, emitted: list[int]) -> None:
+        if not self._drafted:
+            self.pending = self.pending + emitted
+            return
+        # It read d_1 … d_{k-1} after the context; keep those the target accepted.
+        kept = min(accepted, self._drafted - 1)
+        crop_to(self.cache, self._kept + kept)
+        self.pending, self._drafted = emitted[kept:], 0
+
+    def rewind(self, read: int, pending: list[int]) -> None:
+        """Back to having read `read` context tokens, `pending` after them (cost measurement)."""
+        crop_to(self.cache, read)
+        self.pending, self._drafted = list(pending), 0
+
+    def _read(self, ids: list[int]) -> tuple[torch.Tensor, object]:
+        return draft_read(self.pair, ids, self.cache)
+
+
+class TargetVerifier:
+    """One target forward over [newest token, d_1 … d_k] scores every draft prefix at once."""
+
+    def __init__(self, pair: ModelPair, prompt_ids: list[int], sampler: Sampler) -> None:
+        self.pair, self.sampler = pair, sampler
+        self.tokens = list(prompt_ids)  # the context: the prompt and every emitted token
+        self.cache = None  # holds all of `tokens` but the newest, the next input
+        self.ended = False
+
+    def prefill(self) -> int:
+        logits, self.cache = forward_logits(self.pair.target, self.tokens, None, 1, self.pair.vocab_size)  # [1, V]
+        first, _ = self.sampler.choose(logits[0])
+        return self._emit([first])[0]
+
+    def verify(self, drafted: list[DraftToken]) -> tuple[int, list[int]]:
+        pair, draft = self.pair, [d.token_id for d in drafted]
+        with invariance.verifying() if pair.exact_verify else contextlib.nullcontext():
+            logits, self.cache = forward_logits(pair.target, [self.tokens[-1]] + draft, self.cache,
+                                                len(draft) + 1, pair.vocab_size)  # [k+1, V]
+        p = torch.stack([d.p for d in drafted]) if drafted and not self.sampler.greedy else None  # [k, V]
+        n, nxt = self.sampler.accept(draft, p, logits)
+        return n, self._emit(draft[:n] + [nxt])
+
+    def _emit(self, new: list[int]) -> list[int]:
+        eos = next((i for i, x in enumerate(new) if x in self.pair.eos_ids), None)
+        if eos is not None:  # EOS ends the text where it stands
+            new, self.ended = new[: eos + 1], True
+        self.tokens.extend(new)
+        if self.cache is not None:
+            crop_to(self.cache, len(self.tokens) - 1)  # drop what the target read past the accepted
+        return new
+
+    def rewind(self, length: int) -> None:
+        """Back to the first `length` context tokens (cost measurement repeats one step)."""
+        del self.tokens[length:]
+        crop_to(self.cache, length - 1)
+        self.ended = False

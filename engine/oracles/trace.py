@@ -1,0 +1,53 @@
+"""Trace-backed oracles for exact what-if replay (docs/architecture.md, "Traces and replay").
+
+Under greedy decoding the emitted tokens do not depend on γ, so a trace (the target's output and,
+at every position p, the draft's 8-token proposal and L(p), how many of its tokens match the
+output) says what any step would have done: the proposer returns the recorded proposal, the
+verifier accepts min(L(p), k) of it and emits the output's next tokens. Torch-free."""
+from __future__ import annotations
+
+from typing import Callable
+
+from engine.costs import CostTable
+from engine.records import DraftToken
+from engine.step import ModelledClock, draft_tokens
+
+
+class TraceProposer:
+    def __init__(self, positions: dict[int, dict]) -> None:
+        self.at = positions  # position → its trace_positions row
+        self.pos = 0  # emitted tokens so far
+
+    def propose(self, k: int, keep_drafting: Callable[[int, DraftToken], bool]) -> list[DraftToken]:
+        row = self.at[self.pos]
+        return draft_tokens(k, keep_drafting, lambda j: DraftToken(
+            int(row["draft_ids"][j]), float(row["entropies"][j]), float(row["confidences"][j])))
+
+    def update(self, accepted: int, emitted: list[int]) -> None:
+        self.pos += len(emitted)
+
+
+class TraceVerifier:
+    """Emits the traced output; with a cost table, advances `clock` by each step's price."""
+
+    def __init__(self, output: list[int], positions: dict[int, dict], n_prompt: int,
+                 costs: CostTable | None = None, clock: ModelledClock | None = None) -> None:
+        self.out, self.at, self.n_prompt = output, positions, n_prompt
+        self.costs, self.clock = costs, clock
+        self.pos = 0
+        self.ended = False
+
+    def prefill(self) -> int:
+        return self._emit(self.out[:1])[0]
+
+    def verify(self, drafted: list[DraftToken]) -> tuple[int, list[int]]:
+        n = min(int(self.at[self.pos]["accept_len"]), len(drafted))
+        if self.costs is not None and self.clock is not None:
+            self.clock.now += self.costs.step_ms(len(drafted), self.n_prompt + self.pos)
+        # The output ends at EOS or at the budget: slicing cuts there, as a live verify does.
+        return n, self._emit(self.out[self.pos : self.pos + n + 1])
+
+    def _emit(self, new: list[int]) -> list[int]:
+        self.pos += len(new)
+        self.ended = self.pos >= len(self.out)
+        return new

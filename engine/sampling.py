@@ -1,0 +1,95 @@
+"""Verification math, apart from whatever proposed the tokens: the sampling law, greedy
+acceptance, and exact rejection sampling. Notation as in gpt-fast: `q` is the target's
+distribution, `p` the draft's."""
+from __future__ import annotations
+
+import math
+
+import torch
+
+_LN2 = math.log(2.0)
+
+
+def warp(logits: torch.Tensor, temperature: float, top_p: float) -> torch.Tensor:
+    """Sampling distribution from logits [..., V]: temperature, then top-p (as HF's warpers)."""
+    probs = torch.softmax(logits / temperature, dim=-1)
+    if top_p >= 1.0:
+        return probs
+    sorted_p, idx = probs.sort(dim=-1, descending=True)
+    # A token stays while the mass before it is < top_p; the most likely one always stays.
+    drop = (sorted_p.cumsum(-1) - sorted_p) >= top_p
+    sorted_p = sorted_p.masked_fill(drop, 0.0)
+    probs = torch.zeros_like(probs).scatter(-1, idx, sorted_p)
+    return probs / probs.sum(-1, keepdim=True)
+
+
+def greedy_accept(draft: list[int], q_argmax: list[int]) -> tuple[int, int]:
+    """Accepted count n and the target's token at the first mismatch (or the bonus token).
+
+    q_argmax[i] is the target's choice after the context plus draft[:i]; len = len(draft) + 1."""
+    n = 0
+    while n < len(draft) and draft[n] == q_argmax[n]:
+        n += 1
+    return n, q_argmax[n]
+
+
+def rejection_sample(draft: list[int], p: torch.Tensor, q: torch.Tensor, gen: torch.Generator) -> tuple[int, int]:
+    """Speculative sampling (Leviathan et al. 2023; Chen et al. 2023).
+
+    p: [k, V] draft distributions the tokens were sampled from; q: [k+1, V] target's.
+    Token i is accepted with probability min(1, q_i(x)/p_i(x)); on the first rejection the
+    replacement comes from norm(max(0, q_i − p_i)); if all k pass, a bonus token from q_k.
+    The emitted tokens are then distributed exactly as the target's own samples."""
+    k = len(draft)
+    u = torch.rand(k, generator=gen, device=q.device)
+    for i, x in enumerate(draft):
+        if u[i] * p[i, x] <= q[i, x]:  # u < q/p without dividing by a tiny p
+            continue
+        residual = (q[i] - p[i]).clamp_min(0.0)
+        total = residual.sum()
+        # q == p up to rounding leaves no residual mass; then q itself is the right law.
+        dist = residual / total if total > 0 else q[i]
+        return i, int(torch.multinomial(dist, 1, generator=gen))
+    return k, int(torch.multinomial(q[k], 1, generator=gen))
+
+
+class Sampler:
+    """How tokens are chosen from logits, shared by a run's proposer and verifier (one seeded
+    generator: a seed reproduces the run). temperature 0 is greedy."""
+
+    def __init__(self, temperature: float, top_p: float, seed: int | None, device: torch.device) -> None:
+        self.temperature, self.top_p = temperature, top_p
+        self.gen = torch.Generator(device=device)
+        if seed is not None:
+            self.gen.manual_seed(seed)
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+    def law(self, logits: torch.Tensor) -> torch.Tensor:
+        """The distribution tokens are drawn from: [..., V] → [..., V]."""
+        return torch.softmax(logits, dim=-1) if self.greedy else warp(logits, self.temperature, self.top_p)
+
+    def choose(self, logits: torch.Tensor) -> tuple[int, torch.Tensor]:
+        """A token from logits [V] and the law behind it. Greedy takes the logits' argmax, as HF's
+        greedy search does (the softmax is kept for the draft's signals)."""
+        p = self.law(logits)
+        if self.greedy:
+            return int(logits.argmax()), p
+        return int(torch.multinomial(p, 1, generator=self.gen)), p
+
+    def accept(self, draft: list[int], p: torch.Tensor | None, logits: torch.Tensor) -> tuple[int, int]:
+        """(accepted n, the token after them) for draft tokens drawn from p [k, V], given the
+        target's logits [k+1, V] over the context and each draft prefix."""
+        if self.greedy:
+            return greedy_accept(draft, logits.argmax(-1).tolist())
+        q = warp(logits, self.temperature, self.top_p)  # [k+1, V]
+        return rejection_sample(draft, p if p is not None else q[:0], q, self.gen)
+
+
+def draft_signals(p: torch.Tensor) -> tuple[float, float]:
+    """(entropy in bits, confidence = max probability) of one drafted position's law [V]."""
+    # xlogy gives 0·log 0 = 0, so truncated (top-p) distributions need no epsilon.
+    entropy = -torch.special.xlogy(p, p).sum(-1) / _LN2
+    return float(entropy), float(p.max())

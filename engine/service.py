@@ -1,0 +1,300 @@
+"""The service layer: what the CLI, the pages and the benchmarks call. Each function is one user
+action over engine modules and the store (docs/architecture.md, "Layers"). Torch-free at import;
+functions that need the models receive a loaded pair or import what runs them."""
+from __future__ import annotations
+
+from typing import Callable, Iterable
+
+import numpy as np
+
+from engine.common import csv_list
+from engine.costs import REPS, CostTable, calibrate
+from engine.policies import NEEDS_CONTEXT, PolicyContext, make_policy, parse_policy
+from engine.predictor import Predictor
+from engine.whatif import Replay, replay, summarize
+from store import Store
+
+TRACE_POLICIES = "ar,fixed:1,fixed:2,fixed:3,fixed:4,fixed:6,fixed:8,heuristic,rules,speckv,rakv"
+
+
+def prompt_set(which: str, per_task: int | None) -> list[tuple[str, str]]:
+    """(task, prompt) pairs of a named set: heldout, bench or train."""
+    from engine import prompts as P
+
+    sets = {"heldout": lambda: P.heldout(per_task), "bench": lambda: P.bench_prompts(per_task or 2),
+            "train": lambda: P.training_prompts(per_task or 10)}
+    if which not in sets:
+        raise ValueError(f"unknown prompt set {which!r}; use one of {', '.join(sets)}")
+    return sets[which]()
+
+
+def parse_tiers(text: str) -> list[str]:
+    from engine.models import TIERS
+
+    tiers = csv_list(text)
+    bad = [t for t in tiers if t not in TIERS]
+    if bad or not tiers:
+        raise ValueError(f"unknown tier(s) {', '.join(bad) or '(none)'}; known: {', '.join(TIERS)}")
+    return tiers
+
+
+# -- costs -------------------------------------------------------------------------------------
+def cost_key(pair) -> tuple:
+    """(device, target, draft, target tier, draft tier): what a cost table is measured for."""
+    return (str(pair.device), pair.target_name, pair.draft_name, pair.target_tier, pair.draft_tier)
+
+
+def stored_costs(store: Store, key: tuple) -> CostTable | None:
+    """The newest cost table stored for `key`, or None."""
+    rows = store.costs(*key).to_dict("records")
+    return CostTable.from_rows(rows) if rows else None
+
+
+def cost_table(store: Store, pair, say: Callable[[str], None] = lambda m: None) -> CostTable:
+    """The newest stored cost table for this pair and tier; measured (and stored) when absent."""
+    table = stored_costs(store, cost_key(pair))
+    if table is None:
+        from engine.profiling import measure_costs
+
+        say(f"measuring costs for {pair.target_name} at {pair.target_tier} (once; stored)…")
+        table = measure_costs(pair)
+        store.add_costs(table.to_rows(REPS))
+    return table
+
+
+def calibrate_costs(store: Store, key: tuple) -> CostTable:
+    """Stores (and returns) the cost table of `key` calibrated against the stored live steps of
+    that pair, device and tier (engine/costs.py, `calibrate`)."""
+    table = stored_costs(store, key)
+    if table is None:
+        raise ValueError(f"no cost table for {key[1]} + {key[2]} at {key[3]} on {key[0]}: run `python -m engine costs` first")
+    table = calibrate(table, store.step_times(*key[:4]).itertuples(index=False, name=None))
+    store.add_costs(table.to_rows(REPS))
+    return table
+
+
+def calibrate_all(store: Store) -> list[tuple[tuple, CostTable | str]]:
+    """Every stored cost table calibrated where its live steps allow: (key, table or the reason not)."""
+    from store.tables import COST_KEY
+
+    out: list[tuple[tuple, CostTable | str]] = []
+    for key in store.costs()[list(COST_KEY)].drop_duplicates().itertuples(index=False, name=None):
+        try:
+            out.append((key, calibrate_costs(store, key)))
+        except ValueError as e:
+            out.append((key, str(e)))
+    return out
+
+
+# -- policy context ------------------------------------------------------------------------------
+def controller_loader(store: Store) -> Callable[[str, int | None], Predictor]:
+    """Loads stored controllers by (name, version), each once: a context built while the store
+    is open keeps working after it closes."""
+    cache: dict = {}
+
+    def load(name: str, version: int | None) -> Predictor:
+        if (name, version) not in cache:
+            params, meta = store.controller(name, version)
+            cache[(name, version)] = Predictor(meta["kind"], params, meta)
+        return cache[(name, version)]
+
+    return load
+
+
+def policy_context(store: Store, pair, say: Callable[[str], None] = lambda m: None) -> PolicyContext:
+    """What `speckv`/`rakv` need on this pair: its cost table and the store's controllers."""
+    return PolicyContext(costs=cost_table(store, pair, say), controller=controller_loader(store))
+
+
+def context_for(db: str, pair, spec: str, say: Callable[[str], None] = lambda m: None) -> PolicyContext | None:
+    """The PolicyContext `spec` needs on `pair` (None for policies that need nothing), loaded from
+    the store now so that a long generation holds no database file open."""
+    name = parse_policy(spec)[0]
+    if name not in NEEDS_CONTEXT:
+        return None
+    if not db:
+        raise ValueError(f"policy {name} reads its cost table and controller from a database: pass --db")
+    with Store(db) as st:
+        ctx = policy_context(st, pair, say)
+        make_policy(spec, ctx)  # loads (and caches) the controller while the file is open
+    return ctx
+
+
+def store_run(db: str, row: dict, steps: list[dict], wait_s: float = 10.0) -> tuple[str, bool, str]:
+    """Stores a finished run and its steps: (run_id, staged?, a line saying what happened). The
+    file is opened only for the write, so other processes can use it in between; one that holds
+    it makes the store stage the run as Parquet, ingested on the next open (nothing is lost)."""
+    with Store(db, wait_s=wait_s) as st:
+        run_id = st.add_run(row, steps)
+        if st.staged:
+            return run_id, True, st.message
+        return run_id, False, f"stored as run {run_id} in {db}" + (f" ({st.message})" if st.message else "")
+
+
+# -- replay --------------------------------------------------------------------------------------
+def replay_all(store: Store, policies: list, tiers: list[str] | None = None, trace_ids: set | None = None) -> list[Replay]:
+    """Every policy (a spec string, or a function of the PolicyContext) over every stored trace
+    (optionally some tiers/traces), with the cost table of the trace's pair and tier."""
+    traces = store.traces()
+    if tiers:
+        traces = traces[traces["target_tier"].isin(tiers)]
+    if trace_ids is not None:
+        traces = traces[traces["trace_id"].isin(trace_ids)]
+    if not len(traces):
+        raise ValueError(f"no traces in {store.path}: run `python -m engine trace` first")
+    positions = store.trace_positions()
+    by_trace = {tid: df.to_dict("records") for tid, df in positions.groupby("trace_id", sort=False)}
+    out, contexts = [], {}
+    for t in traces.to_dict("records"):
+        key = (t["device"], t["target"], t["draft"], t["target_tier"], t["draft_tier"])
+        if key not in contexts:
+            contexts[key] = PolicyContext(costs=stored_costs(store, key), controller=controller_loader(store))
+        ctx = contexts[key]
+        for spec in policies:
+            policy = make_policy(spec, ctx) if isinstance(spec, str) else spec(ctx)
+            out.append(replay(policy, t, by_trace.get(t["trace_id"], []), ctx.costs))
+    return out
+
+
+# -- retrain -------------------------------------------------------------------------------------
+def retrain(st: Store, source: str, protocol: str | None = None, seed: int = 42, sweep: str | None = None,
+            activate: bool = True):
+    """Fit `speckv` (MLP) and `speckv-rf` on the source's examples, test them, store both as new
+    versions (active unless told), and return the report."""
+    from engine import retrain as T
+
+    protocol = protocol or ("paper" if source == "speckv" else "prompt")
+    ex, whatif_fn = _examples(st, source, sweep)
+    mlp, rf, m = T.train(ex, protocol, seed)
+    test = m.pop("test_rows")
+    if whatif_fn is None:
+        tiers = np.asarray([s.split("/")[0] for s in ex.stratum[test]])
+        w, kind = T.predictor_scored(mlp, ex.x[test], tiers), "predictor-scored"
+    else:
+        w, kind = whatif_fn(mlp, set(ex.group[test])), "exact replay"
+    report = T.Report(
+        source=source, protocol=protocol, **m, decision_ms_median=T.decision_ms(mlp),
+        rf_decision_ms_median=T.decision_ms(rf, n=200), whatif_kind=kind,
+        whatif_gain_vs_fixed4=w["gain_vs_fixed4"], whatif_gain_vs_best_fixed=w["gain_vs_best_fixed"], whatif=w,
+    )
+    meta = dict(source=source, protocol=protocol, seed=seed, metrics=report.to_dict())
+    report.version = st.add_controller("speckv", mlp.arrays, dict(mlp.meta, kind="mlp", **meta), source, activate=activate)
+    report.rf_version = st.add_controller("speckv-rf", rf.arrays, dict(rf.meta, kind="rf", **meta), source, activate=activate)
+    return report
+
+
+def _examples(st: Store, source: str, sweep: str | None):
+    """(examples, what-if function or None) for the chosen source."""
+    from engine import retrain as T
+
+    if source == "traces":
+        traces = st.traces()
+        if not len(traces):
+            raise ValueError(f"no traces in {st.path}: run `python -m engine trace` first")
+        ids_of = lambda prompts: set(traces.loc[traces["prompt"].isin(prompts), "trace_id"])  # noqa: E731
+        return T.from_traces(traces, st.trace_positions()), lambda mlp, prompts: _replay_gain(st, mlp, ids_of(prompts))
+    origin = "speckv" if source == "speckv" else "speclab"  # runs.source: imported or our own
+    runs = st.runs(source=origin) if sweep is None else st.runs(source=origin, sweep=sweep)
+    if not len(runs):
+        hint = "python -m engine import-speckv PATH" if source == "speckv" else "python -m engine profile"
+        raise ValueError(f"no {source} runs in {st.path}: run `{hint}` first")
+    steps = st.steps()
+    steps = steps[steps["run_id"].isin(set(runs["run_id"]))]
+    make = T.from_speckv_steps if source == "speckv" else T.from_live_steps
+    return make(steps, runs), None
+
+
+def _replay_gain(st: Store, mlp: Predictor, trace_ids: set) -> dict:
+    """Exact replay over the test prompts' traces: the new controller vs fixed:4 and the best
+    fixed γ per tier, in modelled tokens/s (summed over tiers)."""
+    from engine.policies.speckv import SpeckvPolicy
+
+    fixed = ["ar"] + [f"fixed:{k}" for k in range(1, 9)]
+    new = lambda ctx: SpeckvPolicy(mlp, ctx.need_costs("speckv"), name="speckv (new)")  # noqa: E731
+    rows = [r for r in summarize(replay_all(st, fixed + [new], trace_ids=trace_ids)) if r["task"] == "all"]
+    by = {(r["target_tier"], r["policy"]): r["tokens_per_s"] for r in rows}
+    tiers = sorted({t for t, _ in by})
+    best = {t: max(fixed, key=lambda p: by[(t, p)]) for t in tiers}
+    ours = sum(by[(t, "speckv (new)")] for t in tiers)
+    f4 = sum(by[(t, "fixed:4")] for t in tiers)
+    bf = sum(by[(t, best[t])] for t in tiers)
+    return dict(tokens_per_s=ours, fixed4_tokens_per_s=f4, best_fixed=best, best_fixed_tokens_per_s=bf,
+                gain_vs_fixed4=ours / f4 - 1, gain_vs_best_fixed=ours / bf - 1)
+
+
+# -- traces and sweeps ---------------------------------------------------------------------------
+def trace_prompts(st: Store, pair, prompts: list[tuple[str, str]], max_new_tokens: int,
+                  temperature: float | None = None, on_start: Callable[[int], None] = lambda n: None,
+                  on_trace: Callable[[], None] = lambda: None) -> int:
+    """Traces the prompts not yet traced for this pair, tier and length (a rerun resumes); each
+    is stored as it is made. Returns how many were made."""
+    from engine.profiling import trace
+
+    have = st.traces(target=pair.target_name, draft=pair.draft_name, target_tier=pair.target_tier,
+                     max_new_tokens=max_new_tokens)
+    done = set(have["prompt"]) if len(have) else set()
+    todo = [(task, prompt) for task, prompt in prompts if prompt not in done]
+    on_start(len(todo))
+    for task, prompt in todo:
+        tr = trace(pair, prompt, task, max_new_tokens, temperature=temperature)
+        st.add_trace(tr.row, tr.positions)
+        on_trace()
+    return len(todo)
+
+
+def profile(st: Store, sweep: str, jobs: list, load: Callable[[str], object], max_new_tokens: int,
+            on_start: Callable[[int], None] = lambda n: None, on_run: Callable[[], None] = lambda: None,
+            say: Callable[[str], None] = lambda m: None) -> int:
+    """Runs the sweep's jobs that have no stored run in it yet, tier by tier (a tier's pair loads
+    once, through `load(tier)`); each run is stored as it finishes, so an interrupted sweep keeps
+    what it did and a rerun resumes. Returns how many ran."""
+    from engine.profiling import pending, run_job
+
+    done = {(r["target_tier"], r["prompt"], r["policy"]) for r in st.runs(sweep=sweep).to_dict("records")}
+    todo = pending(jobs, done)
+    on_start(len(todo))
+    for tier in dict.fromkeys(j.tier for j in todo):
+        mine = [j for j in todo if j.tier == tier]
+        pair = load(tier)
+        learned = any(parse_policy(j.policy)[0] in NEEDS_CONTEXT for j in mine)
+        ctx = policy_context(st, pair, say) if learned else None
+        for job in mine:
+            row, steps = run_job(pair, job, ctx, max_new_tokens)
+            st.add_run(dict(row, sweep=sweep), steps)
+            on_run()
+        del pair
+    return len(todo)
+
+
+def sweep_table(runs) -> dict:
+    """Per tier: tokens/s of each policy (all tokens over all wall time of its runs; a prompt run
+    several times counts once, at its median wall time, so a passing slowdown of the machine
+    does not land on whichever policy ran then), the best fixed γ, and each adaptive policy
+    against max(ar, best fixed)."""
+    out = {}
+    for tier, df in runs.groupby("target_tier", sort=True):
+        per_prompt = df.groupby(["policy", "prompt"])[["n_tokens", "wall_ms"]].median()
+        sums = per_prompt.groupby(level="policy").sum()
+        tps = {pol: float(r.n_tokens / (r.wall_ms / 1e3)) for pol, r in sums.iterrows()}
+        fixed = {p: v for p, v in tps.items() if p.startswith("fixed:")}
+        best_fixed = max(fixed, key=fixed.get) if fixed else None
+        peer = max([tps.get("ar", 0.0)] + ([fixed[best_fixed]] if best_fixed else []))
+        out[tier] = dict(tokens_per_s=tps, best_fixed=best_fixed, best_gamma=int(best_fixed.split(":")[1]) if best_fixed else None,
+                         peer=peer, vs_peer={p: v / peer for p, v in tps.items() if not p.startswith("fixed:") and p != "ar"},
+                         prompts=int(df["prompt"].nunique()))
+    return out
+
+
+def format_sweep(table: dict) -> str:
+    lines = []
+    for tier, t in table.items():
+        lines.append(f"{tier}: {t['prompts']} prompts; best fixed γ = {t['best_gamma']}; peer max(ar, best fixed) = {t['peer']:.2f} tok/s")
+        for pol, v in sorted(t["tokens_per_s"].items(), key=lambda kv: -kv[1]):
+            rel = f"  {t['vs_peer'][pol]:.3f}× peer" if pol in t["vs_peer"] else ""
+            lines.append(f"  {pol:14} {v:7.2f} tok/s{rel}")
+    return "\n".join(lines)
+
+
+def replay_rows(st: Store, policies: Iterable[str], tiers: list[str] | None, by: str) -> list[dict]:
+    """`whatif`'s table: policies replayed over every stored trace, summarized per task or prompt."""
+    return summarize(replay_all(st, list(policies), tiers), by=by)

@@ -1,0 +1,130 @@
+"""The one decode loop: policy → propose → verify → record, whatever proposes and verifies.
+
+Live generations run it over model-backed oracles (engine/oracles/model.py), what-if replay
+over trace-backed ones (engine/oracles/trace.py): the same function makes every choice in both,
+so a replay is the live run by construction (docs/architecture.md, "The step")."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Iterator, Protocol
+
+from engine.policies import Policy
+from engine.records import AcceptanceEWMA, Action, DecodeState, DraftToken, RunSummary, StepRecord, signal_summary
+
+
+class Proposer(Protocol):
+    def propose(self, k: int, keep_drafting: Callable[[int, DraftToken], bool]) -> list[DraftToken]:
+        """Up to k tokens after the context; asks keep_drafting(j, token) after each but the last."""
+        ...
+
+    def update(self, accepted: int, emitted: list[int]) -> None:
+        """The step's outcome: the first `accepted` drafted tokens stand, then `emitted` follows."""
+        ...
+
+
+class Verifier(Protocol):
+    ended: bool  # the last emitted token ends the text (EOS, or the end of a stored trace)
+
+    def prefill(self) -> int:
+        """Reads the prompt; returns the first token."""
+        ...
+
+    def verify(self, drafted: list[DraftToken]) -> tuple[int, list[int]]:
+        """(accepted n, emitted tokens: the accepted ones and one of the target's, cut at EOS)."""
+        ...
+
+
+@dataclass(frozen=True)
+class Setting:
+    """What a run's steps are recorded against."""
+
+    n_prompt: int
+    budget: int  # tokens the run may emit (max_new_tokens, or what the context leaves)
+    target_tier: str
+    kv_tier: str
+
+
+class ModelledClock:
+    """Replay's time: a trace verifier advances it by the cost table's price of each step."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def decode(proposer: Proposer, verifier: Verifier, policy: Policy, run: Setting,
+           clock: Callable[[], float]) -> Iterator[StepRecord]:
+    """Streams the run's StepRecords: step 0 is the prefill, then one per decode step."""
+    policy.reset()
+    acc, history = AcceptanceEWMA(), []
+    t0 = clock()
+    first = verifier.prefill()
+    proposer.update(0, [first])
+    history.append(_record(0, 0, Action(0), [], [first], 0, (0.0, clock() - t0, 0.0), run))
+    yield history[-1]
+    position = 1
+    while not verifier.ended and position < run.budget:
+        remaining = run.budget - position
+        state = DecodeState(step=len(history), position=position, context_len=run.n_prompt + position,
+                            remaining=remaining, target_tier=run.target_tier, kv_tier=run.kv_tier,
+                            history=history, alpha_ewma=acc.alpha, alpha_trials=acc.trials)
+        t0 = clock()
+        action = policy.choose(state)
+        k = min(action.k, remaining - 1)  # never draft past the budget: the bonus token needs a slot
+        t1 = clock()
+        drafted = proposer.propose(k, lambda j, token: policy.keep_drafting(state, j, token))
+        t2 = clock()
+        n, emitted = verifier.verify(drafted)
+        t3 = clock()
+        assert 0 < len(emitted) <= remaining and n <= len(drafted), (n, len(drafted), len(emitted), remaining)
+        proposer.update(n, emitted)
+        acc.update(n, len(drafted))
+        rec = _record(len(history), position, action, drafted, emitted, min(n, len(emitted)),
+                      (t2 - t1, t3 - t2, t1 - t0), run)
+        policy.observe(rec)
+        history.append(rec)
+        yield rec
+        position += len(emitted)
+
+
+def draft_tokens(k: int, keep_drafting: Callable[[int, DraftToken], bool],
+                 next_token: Callable[[int], DraftToken]) -> list[DraftToken]:
+    """Every proposer's inner loop: token j = next_token(j), until k or the policy says stop."""
+    drafted: list[DraftToken] = []
+    for j in range(k):
+        drafted.append(next_token(j))
+        if j + 1 < k and not keep_drafting(j, drafted[-1]):
+            break
+    return drafted
+
+
+def _record(step: int, position: int, action: Action, drafted: list[DraftToken], emitted: list[int],
+            accepted: int, ms: tuple[float, float, float], run: Setting) -> StepRecord:
+    ents, confs = [d.entropy for d in drafted], [d.confidence for d in drafted]
+    return StepRecord(
+        step=step, position=position, k_chosen=action.k, k_drafted=len(drafted), accepted=accepted,
+        emitted=len(emitted), token_ids=list(emitted), **signal_summary(ents, confs), entropies=ents,
+        confidences=confs, draft_ms=ms[0], verify_ms=ms[1], decide_ms=ms[2],
+        context_len=run.n_prompt + position, target_tier=run.target_tier, kv_tier=run.kv_tier, reuse=action.reuse,
+    )
+
+
+def summarize(records: list[StepRecord], wall_ms: float, stop: str) -> RunSummary:
+    """A finished run's figures from its records (step 0's verify time is the TTFT)."""
+    n_tokens = sum(r.emitted for r in records)
+    steps = records[1:]
+    drafted = [r for r in steps if r.k_drafted > 0]
+    n_drafted = sum(r.k_drafted for r in drafted)
+    return RunSummary(
+        n_tokens=n_tokens,
+        n_steps=len(steps),
+        wall_ms=wall_ms,
+        ttft_ms=records[0].verify_ms,
+        tokens_per_s=n_tokens / (wall_ms / 1e3) if wall_ms > 0 else 0.0,
+        tokens_per_step=sum(r.emitted for r in steps) / len(steps) if steps else 0.0,
+        mean_accepted=sum(r.accepted for r in drafted) / len(drafted) if drafted else 0.0,
+        acceptance_rate=sum(r.accepted for r in drafted) / n_drafted if n_drafted else None,
+        stop_reason=stop,
+    )
