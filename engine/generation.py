@@ -13,6 +13,7 @@ from engine.forward import WallClock
 from engine.models import KV_TIERS, ModelPair
 from engine.oracles.model import DraftModelProposer, TargetVerifier
 from engine.policies import Policy
+from engine.prefix_cache import PrefixCache
 from engine.records import RunSummary, StepRecord
 from engine.sampling import Sampler
 from engine.step import Setting, decode, summarize
@@ -25,6 +26,7 @@ class GenConfig:
     top_p: float = 1.0  # nucleus filter applied to both q and p before acceptance
     seed: int | None = None  # sampling seed; drawn (and recorded with the run) when None
     kv_tier: str = "native"  # KV cache tier (only `native` until the KV codec lands)
+    reuse: bool = True  # take the longest stored prefix from the prefix cache (when a run has one)
 
     def validate(self) -> None:
         if self.max_new_tokens < 1:
@@ -41,12 +43,17 @@ def encode_prompt(tokenizer, prompt: str, chat: bool) -> list[int]:
     if not prompt:
         raise ValueError("the prompt is empty")
     if chat:
-        if not getattr(tokenizer, "chat_template", None):
-            raise ValueError("--chat asked for, but this tokenizer has no chat template")
-        msgs = [{"role": "user", "content": prompt}]
-        text = tokenizer.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False)
-        return tokenizer(text, add_special_tokens=False)["input_ids"]
+        return encode_messages(tokenizer, [{"role": "user", "content": prompt}])
     return tokenizer(prompt)["input_ids"]
+
+
+def encode_messages(tokenizer, messages: list[dict]) -> list[int]:
+    """A conversation ({"role", "content"} messages) through the chat template, ready for the
+    assistant's next turn."""
+    if not getattr(tokenizer, "chat_template", None):
+        raise ValueError("--chat asked for, but this tokenizer has no chat template")
+    text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    return tokenizer(text, add_special_tokens=False)["input_ids"]
 
 
 @dataclass
@@ -58,6 +65,7 @@ class Generation:
     prompt_ids: list[int]
     policy: Policy
     cfg: GenConfig = field(default_factory=GenConfig)
+    prefix: PrefixCache | None = None  # the process's cross-request cache (shared by sessions)
     seed: int | None = field(init=False)  # cfg.seed, or the one drawn for a sampling run
     token_ids: list[int] = field(init=False, default_factory=list)
     records: list[StepRecord] = field(init=False, default_factory=list)
@@ -78,8 +86,9 @@ class Generation:
         assert not self.records, "a Generation runs once; make a new one"
         pair, cfg, n_prompt = self.pair, self.cfg, len(self.prompt_ids)
         sampler = Sampler(cfg.temperature, cfg.top_p, self.seed, pair.device)
-        verifier = TargetVerifier(pair, self.prompt_ids, sampler)
-        proposer = DraftModelProposer(pair, self.prompt_ids, sampler)
+        prefix = self.prefix if cfg.reuse else None
+        verifier = TargetVerifier(pair, self.prompt_ids, sampler, prefix)
+        proposer = DraftModelProposer(pair, self.prompt_ids, sampler, lambda: verifier.hit)
         budget = min(cfg.max_new_tokens, pair.max_context - n_prompt)
         clock = WallClock(pair.device)
         t_start = clock()
@@ -88,8 +97,11 @@ class Generation:
                 self.records.append(rec)
                 self.token_ids.extend(rec.token_ids)
                 yield rec
+            wall_ms = clock() - t_start
+            if prefix is not None:  # after the clock: storing is for the next request
+                verifier.remember(proposer.cache)
         stop = "eos" if verifier.ended else "max_new_tokens" if budget == cfg.max_new_tokens else "context"
-        self.summary = summarize(self.records, clock() - t_start, stop)
+        self.summary = summarize(self.records, wall_ms, stop, verifier.hit.kind)
 
     def run(self) -> "Generation":
         """Run to the end without streaming."""
@@ -112,5 +124,6 @@ def run_row(gen: Generation, prompt: str, policy_spec: str, chat: bool, task: st
         tokens_per_s=s.tokens_per_s, ttft_ms=s.ttft_ms, wall_ms=s.wall_ms,
         tokens_per_step=s.tokens_per_step, mean_accepted=s.mean_accepted,
         acceptance_rate=s.acceptance_rate, stop_reason=s.stop_reason, error=None,
+        reused_tokens=s.reused_tokens, prefix_hit=s.prefix_hit,
         config=dict(asdict(cfg), seed=gen.seed, draft_tier=pair.draft_tier, n_prompt_tokens=len(gen.prompt_ids)),
     )

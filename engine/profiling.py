@@ -17,9 +17,11 @@ import torch
 from engine.common import median_ms
 from engine.costs import CONTEXT_BUCKETS, REPS, WARMUP, CostTable
 from engine.forward import forward_logits, sync_device
+from engine.kv import new_cache
 from engine.generation import GenConfig, Generation, encode_prompt, run_row
 from engine.models import ModelPair
 from engine.oracles.model import DraftModelProposer, TargetVerifier
+from engine.prefix_cache import fill, kv_of
 from engine.policies import K_MAX, make_policy
 from engine.records import DraftToken
 from engine.sampling import Sampler, warp
@@ -80,14 +82,15 @@ def _target_laws(pair, ids, out, temperature) -> torch.Tensor:
 def measure_costs(pair: ModelPair, buckets: tuple[int, ...] = CONTEXT_BUCKETS, reps: int = REPS,
                   progress: Callable[[str], None] = lambda m: None) -> CostTable:
     """Times the live oracles on a context of `bucket` random tokens: one drafted token (a draft
-    forward, its law and signals), and a verify of k = 0..8 drafted tokens (the target forward
-    under the pair's verify mode, acceptance, roll-back); medians after warm-up."""
+    forward, its law and signals), a verify of k = 0..8 drafted tokens (the target forward under
+    the pair's verify mode, acceptance, roll-back), and the prefill of the bucket's tokens into an
+    empty cache; and filling a cache from the prefix cache, per position. Medians after warm-up."""
     dev = pair.device
     buckets = tuple(b for b in buckets if b + K_MAX + 2 <= pair.max_context) or (min(buckets),)
     gen = torch.Generator().manual_seed(0)
     sampler = Sampler(0.0, 1.0, None, dev)
     timed = lambda fn: median_ms(fn, reps, WARMUP, sync=lambda: sync_device(dev))  # noqa: E731
-    draft_ms, verify_ms = [], []
+    draft_ms, verify_ms, prefill_ms = [], [], []
     for b in buckets:
         progress(f"costs at context {b}")
         ids = torch.randint(0, pair.vocab_size, (b + 1 + K_MAX,), generator=gen).tolist()
@@ -106,9 +109,12 @@ def measure_costs(pair: ModelPair, buckets: tuple[int, ...] = CONTEXT_BUCKETS, r
 
         draft_ms.append(timed(draft_one))
         verify_ms.append([timed(lambda k=k: verify(k)) for k in range(K_MAX + 1)])
+        prefill_ms.append(timed(lambda: forward_logits(pair.target, ids[:b], None, 1, pair.vocab_size)))
+    stored = kv_of(verifier.cache, buckets[-1])
+    fill_ms = timed(lambda: fill(new_cache(pair.target), stored, buckets[-1])) / buckets[-1]
     key = dict(device=str(dev), target=pair.target_name, draft=pair.draft_name,
                target_tier=pair.target_tier, draft_tier=pair.draft_tier)
-    return CostTable(list(buckets), draft_ms, verify_ms, key)
+    return CostTable(list(buckets), draft_ms, verify_ms, key, prefill_ms=prefill_ms, fill_ms=fill_ms)
 
 
 # -- sweeps ----------------------------------------------------------------------------------------

@@ -14,7 +14,7 @@ class Action:
     """What a policy decides before drafting."""
 
     k: int  # draft length γ; 0 = plain decoding (one target forward, one token)
-    reuse: int = 0  # prefix tokens to take from the cross-request KV cache (later issue)
+    reuse: int = 0  # prompt positions taken from the cross-request prefix cache (step 0)
 
     def __post_init__(self) -> None:
         assert self.k >= 0 and self.reuse >= 0, self
@@ -91,6 +91,8 @@ class RunSummary:
     mean_accepted: float  # drafted tokens accepted per step that drafted (bonus token excluded)
     acceptance_rate: float | None  # accepted / drafted over the run; None when nothing was drafted
     stop_reason: str  # "eos" | "max_new_tokens" | "context"
+    reused_tokens: int = 0  # prompt positions the prefill took from the prefix cache
+    prefix_hit: str = "off"  # "off" (no reuse) | "miss" | "partial" | "exact" | "declined" (by the policy)
 
 
 @dataclass

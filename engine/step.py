@@ -24,9 +24,11 @@ class Proposer(Protocol):
 
 class Verifier(Protocol):
     ended: bool  # the last emitted token ends the text (EOS, or the end of a stored trace)
+    reused: int  # prompt positions the prefill took from the prefix cache
 
-    def prefill(self) -> int:
-        """Reads the prompt; returns the first token."""
+    def prefill(self, take: Callable[[int], int]) -> int:
+        """Reads the prompt (taking take(offered) of the positions a prefix cache offers);
+        returns the first token."""
         ...
 
     def verify(self, drafted: list[DraftToken]) -> tuple[int, list[int]]:
@@ -60,9 +62,9 @@ def decode(proposer: Proposer, verifier: Verifier, policy: Policy, run: Setting,
     policy.reset()
     acc, history = AcceptanceEWMA(), []
     t0 = clock()
-    first = verifier.prefill()
+    first = verifier.prefill(lambda offered: policy.take_reuse(offered, run.n_prompt))
     proposer.update(0, [first])
-    history.append(_record(0, 0, Action(0), [], [first], 0, (0.0, clock() - t0, 0.0), run))
+    history.append(_record(0, 0, Action(0, verifier.reused), [], [first], 0, (0.0, clock() - t0, 0.0), run))
     yield history[-1]
     position = 1
     while not verifier.ended and position < run.budget:
@@ -111,8 +113,9 @@ def _record(step: int, position: int, action: Action, drafted: list[DraftToken],
     )
 
 
-def summarize(records: list[StepRecord], wall_ms: float, stop: str) -> RunSummary:
-    """A finished run's figures from its records (step 0's verify time is the TTFT)."""
+def summarize(records: list[StepRecord], wall_ms: float, stop: str, prefix_hit: str = "off") -> RunSummary:
+    """A finished run's figures from its records (step 0's verify time is the TTFT, its reuse
+    the prompt positions taken from the prefix cache)."""
     n_tokens = sum(r.emitted for r in records)
     steps = records[1:]
     drafted = [r for r in steps if r.k_drafted > 0]
@@ -127,4 +130,6 @@ def summarize(records: list[StepRecord], wall_ms: float, stop: str) -> RunSummar
         mean_accepted=sum(r.accepted for r in drafted) / len(drafted) if drafted else 0.0,
         acceptance_rate=sum(r.accepted for r in drafted) / n_drafted if n_drafted else None,
         stop_reason=stop,
+        reused_tokens=records[0].reuse,
+        prefix_hit=prefix_hit,
     )

@@ -9,6 +9,7 @@ import streamlit as st
 
 from engine.common import default_db, one_line
 from engine.models import EMBEDDED_LABEL, load_pair, resolve_device
+from engine.prefix_cache import PrefixCache
 from engine.service import store_run
 
 _KEYS = {"target": "speclab_target", "draft": "speclab_draft", "db": "speclab_db"}
@@ -69,6 +70,17 @@ def show_error(e: BaseException) -> None:
 @st.cache_resource(show_spinner=False, max_entries=2)
 def _pair(target: str | None, draft: str | None, target_tier: str):
     return load_pair(target, draft, target_tier=target_tier)
+
+
+@st.cache_resource(show_spinner=False, max_entries=4)
+def _prefix_cache(target: str | None, draft: str | None, target_tier: str, budget_mib: int) -> PrefixCache:
+    return PrefixCache(budget_mib * 2**20)
+
+
+def get_prefix_cache(s: Settings, target_tier: str, budget_mib: int) -> PrefixCache:
+    """The cross-request prefix cache of a loaded pair, shared by every session of the process
+    (one per budget: changing the budget starts an empty cache)."""
+    return _prefix_cache(s.target, s.draft, target_tier, budget_mib)
 
 
 def get_pair(s: Settings, target_tier: str):

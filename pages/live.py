@@ -14,7 +14,7 @@ from engine.models import TIERS
 from engine.service import context_for
 from engine.policies import POLICY_EXAMPLES, make_policy, parse_policy
 from engine.generation import GenConfig, Generation, encode_prompt, run_row
-from pages.common import get_pair, save_run, settings, show_error, show_saved, Saved
+from pages.common import Saved, get_pair, get_prefix_cache, save_run, settings, show_error, show_saved
 
 RESULT_KEY = "live_result"
 DEFAULT_PROMPT = "Explain speculative decoding to a new engineer in three sentences."
@@ -113,12 +113,18 @@ def inputs() -> tuple[bool, dict]:
         seed = c4.number_input("Seed", min_value=0, max_value=2**31 - 1, value=None, step=1,
                                key="live_seed", placeholder="random",
                                help="Sampling seed; empty draws one (it is recorded with the run)")
-        chat = st.checkbox("Chat template", value=True, key="live_chat")
+        c1, c2, c3 = st.columns(3)
+        chat = c1.checkbox("Chat template", value=True, key="live_chat")
+        reuse = c2.checkbox("Reuse prefix KV", value=True, key="live_reuse",
+                            help="Take the longest stored prefix of this prompt from earlier requests' KV "
+                                 "(RAKV-ASD's cache); off recomputes the whole prompt")
+        budget = c3.number_input("Prefix cache budget (MiB)", min_value=1, max_value=65536, value=512, step=64,
+                                 key="live_prefix_budget", help="Least recently used entries leave first")
         go_ = st.form_submit_button("Generate", type="primary", key="live_generate")
     return go_, dict(
         prompt=prompt, chat=chat, policy=(typed or "").strip() or chosen, tier=tier,
         max_new_tokens=int(max_new), temperature=float(temperature), top_p=float(top_p),
-        seed=None if seed is None else int(seed),
+        seed=None if seed is None else int(seed), reuse=bool(reuse), budget_mib=int(budget),
     )
 
 
@@ -140,8 +146,9 @@ def generate(inp: dict, out_ph, chart_ph) -> dict | None:
             ctx = context_for(s.db, pair, inp["policy"])  # speckv/rakv need them
         ids = encode_prompt(pair.tokenizer, inp["prompt"], chat=inp["chat"])
         cfg = GenConfig(max_new_tokens=inp["max_new_tokens"], temperature=inp["temperature"],
-                        top_p=inp["top_p"], seed=inp["seed"])
-        gen = Generation(pair, ids, make_policy(inp["policy"], ctx), cfg)
+                        top_p=inp["top_p"], seed=inp["seed"], reuse=inp["reuse"])
+        prefix = get_prefix_cache(s, inp["tier"], inp["budget_mib"])
+        gen = Generation(pair, ids, make_policy(inp["policy"], ctx), cfg, prefix)
     except Exception as e:  # noqa: BLE001 - one line in the UI, never a traceback
         show_error(e)
         return None
@@ -177,6 +184,7 @@ def generate(inp: dict, out_ph, chart_ph) -> dict | None:
         steps=steps,
         saved=saved,
         ui_ms=ui_s * 1e3,
+        prefix=prefix.stats(),
         label=(f"{pair.target_name} ({pair.target_tier}) ← {pair.draft_name} ({pair.draft_tier})"
                f" · {inp['policy']} · {pair.device} · seed {gen.seed}"),
     )
@@ -191,17 +199,22 @@ def show_result(res: dict, out_ph, chart_ph) -> None:
     s = res["summary"]
     out_ph.text(res["output"], width="stretch")
     chart_ph.plotly_chart(StepChart.of(res["steps"]), key="live_chart_result")
-    cols = st.columns(6)
+    cols = st.columns(7)
     cols[0].metric("Tokens/s", _fmt(s["tokens_per_s"], ".1f"))
     cols[1].metric("TTFT ms", _fmt(s["ttft_ms"], ".1f"))
     cols[2].metric("Tokens/step", _fmt(s["tokens_per_step"], ".2f"))
     cols[3].metric("Mean accepted", _fmt(s["mean_accepted"], ".2f"))
     cols[4].metric("Acceptance rate", _fmt(s["acceptance_rate"], ".0%"))
-    cols[5].metric("Stop reason", s["stop_reason"])
+    cols[5].metric("Prefix reuse", s["prefix_hit"], f"{s['reused_tokens']} tokens reused", delta_color="off")
+    cols[6].metric("Stop reason", s["stop_reason"])
     st.caption(
         f"{res['label']} · {s['n_tokens']} tokens in {s['n_steps']} steps, "
         f"{s['wall_ms']:.0f} ms wall (of which {res['ui_ms']:.0f} ms streaming to the UI)"
     )
+    p = res["prefix"]
+    st.caption(f"Prefix cache: {p['entries']} entries, {p['bytes'] / 2**20:.1f} of {p['budget_bytes'] / 2**20:.0f} MiB; "
+               f"{p['lookups']} lookups → {p['exact_hits']} exact, {p['partial_hits']} partial, {p['misses']} misses; "
+               f"{p['reused_tokens']} tokens reused; {p['evictions']} evicted, {p['refused']} refused")
     show_saved(res["saved"])
     st.dataframe(pd.DataFrame(res["steps"], columns=TABLE_COLUMNS), hide_index=True,
                  width="stretch")

@@ -135,11 +135,20 @@ MIGRATIONS: list[str] = [
     """
     ALTER TABLE costs ADD COLUMN step_factor DOUBLE[];
     """,
+    # 4: cross-request prefix reuse: the prompt positions a run took from the prefix cache and
+    # the kind of hit (engine/prefix_cache.py; older runs had none: 0 and 'off'), and the cost
+    # table's prefill: ms to read a bucket's tokens cold, ms per position filled from the cache.
+    """
+    ALTER TABLE runs ADD COLUMN reused_tokens INTEGER DEFAULT 0;
+    ALTER TABLE runs ADD COLUMN prefix_hit VARCHAR DEFAULT 'off';
+    ALTER TABLE costs ADD COLUMN prefill_ms DOUBLE;
+    ALTER TABLE costs ADD COLUMN fill_ms DOUBLE;
+    """,
 ]
 
 # Values filled in for a missing key, matching the column DEFAULTs above: inserts go BY
 # NAME with every column present, so a SQL DEFAULT alone would never apply.
-PY_DEFAULTS: dict[str, dict[str, object]] = {"runs": {"source": "speclab"}}
+PY_DEFAULTS: dict[str, dict[str, object]] = {"runs": {"source": "speclab", "reused_tokens": 0, "prefix_hit": "off"}}
 
 SCHEMA_VERSION: int = len(MIGRATIONS)
 

@@ -70,7 +70,8 @@ def test_generate_streams_summarises_and_stores(app_env):
 
     metrics = {m.label: m.value for m in at.metric}
     assert set(metrics) == {"Tokens/s", "TTFT ms", "Tokens/step", "Mean accepted",
-                            "Acceptance rate", "Stop reason"}
+                            "Acceptance rate", "Prefix reuse", "Stop reason"}
+    assert metrics["Prefix reuse"] in {"miss", "partial", "exact"}  # reuse is on by default
     assert float(metrics["Tokens/s"]) > 0
     assert metrics["Stop reason"] in {"eos", "max_new_tokens", "context"}
     assert len(at.get("plotly_chart")) == 1

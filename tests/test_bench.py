@@ -6,6 +6,7 @@ import pytest
 
 from bench import decode as bench_decode
 from bench import draft as bench_draft
+from tiny import synthetic_context
 
 
 def test_decode_bench_compares_against_hf_in_one_run(tiny_pair, monkeypatch):
@@ -74,3 +75,22 @@ def test_controllers_bench_live_reports_every_policy_per_tier(tiny_dirs, tmp_pat
     assert t["best_fixed"] in ("fixed:1", "fixed:2") and set(t["vs_peer"]) == {"speckv", "rakv"}
     assert res["controller"]["whatif_kind"] == "exact replay"
     assert len(res["step_factor"]["fp32"]) == 9  # costs calibrated on the training prompts' live steps
+
+
+def test_prefix_bench_compares_reuse_against_recompute_on_every_workload(tiny_pair):
+    from bench import prefix
+
+    system = {"role": "system", "content": "Be brief and exact. " * 8}
+    ask = lambda q: [{"role": "user", "content": q}]  # noqa: E731
+    loads = dict(shared=[[system] + ask(q) for q in ("2+2?", "3+3?", "4+4?")],
+                 nosharing=[ask(q) for q in ("Hi", "Name a cat", "Why")],
+                 multiturn=[ask("Hi"), ask("Hi") + [{"role": "assistant", "content": "Hello"}] + ask("More")],
+                 longdoc=[ask("Doc text. " * 20 + q) for q in ("Sum?", "Topics?")],
+                 code=[ask("def f(x):"), ask("def g(y):")])
+    res = prefix.measure(tiny_pair, loads, synthetic_context(), max_new=4, budget=64 << 20)
+    assert set(res["workloads"]) == set(loads) and all(set(w) == set(prefix.CONFIGS) for w in res["workloads"].values())
+    shared = res["workloads"]["shared"]
+    assert shared["no reuse"]["reused_tokens"] == 0 and shared["no reuse"]["hit_rate"] == 0
+    assert shared["reuse-only"]["reused_tokens"] > 0 and shared["reuse-only"]["hit_rate"] == 2 / 3  # all but the first
+    assert res["reuse_identical"] and 0 < res["peak_bytes"] <= res["budget_bytes"]
+    assert min(w[c]["vs_best"] for w in res["workloads"].values() for c in ("no reuse", "reuse-only", "joint:4")) == 1.0

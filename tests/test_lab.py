@@ -92,7 +92,8 @@ def test_calibration_scales_each_draft_length_to_its_live_steps():
     from store import Store
 
     t = CostTable([64, 256], [1.0, 2.0], [[10.0 + k for k in range(9)], [20.0 + k for k in range(9)]],
-                  key=dict(device="cpu", target="t", draft="d", target_tier="fp32", draft_tier="fp32"))
+                  key=dict(device="cpu", target="t", draft="d", target_tier="fp32", draft_tier="fp32"),
+                  prefill_ms=[30.0, 90.0], fill_ms=0.02)
     live = [(0, 100, 1.1 * t.step_ms(0, 100))] * CALIBRATE_MIN + [(1, 300, 1.2 * t.step_ms(1, 300))] * CALIBRATE_MIN
     live += [(4, 70, 1.5 * t.step_ms(4, 70))] * CALIBRATE_MIN + [(6, 70, 9.0 * t.step_ms(6, 70))] * (CALIBRATE_MIN - 1)
     cal = calibrate(t, live)
@@ -104,6 +105,7 @@ def test_calibration_scales_each_draft_length_to_its_live_steps():
         st.add_costs(cal.to_rows(3))
         back = CostTable.from_rows(st.costs().to_dict("records"))
     assert back.step_factor == pytest.approx(cal.step_factor) and back.step_ms(4, 64) == pytest.approx(cal.step_ms(4, 64))
+    assert back.prefill_cost(160, 100) == pytest.approx(60.0 + 100 * 0.02)  # calibration keeps the prefill
     with pytest.raises(ValueError, match="too few live steps.*python -m engine profile"):
         calibrate(t, live[:CALIBRATE_MIN])  # plain steps only: nothing says what drafting costs
 

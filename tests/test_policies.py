@@ -65,6 +65,24 @@ def test_rakv_speculates_only_when_it_pays():
     assert pol.choose(streak).k == 1
 
 
+def test_rakv_and_speckv_take_reuse_only_when_the_measured_prefill_pays():
+    from dataclasses import replace
+
+    from engine.costs import CostTable
+
+    base = CostTable([64, 256, 512], [1.0] * 3, [[10.0 + 0.5 * k for k in range(K_MAX + 1)]] * 3)
+    cheap = replace(base, prefill_ms=[20.0, 70.0, 140.0], fill_ms=0.01)
+    dear = replace(base, prefill_ms=[20.0, 70.0, 140.0], fill_ms=5.0)  # filling dearer than reading
+    assert cheap.prefill_cost(300, 0) == pytest.approx(70 + 44 * 70 / 256)
+    assert cheap.prefill_cost(600, 0) == pytest.approx(140 + 88 * 70 / 256)  # extrapolated
+    for spec in ("rakv", "speckv"):
+        ctx = synthetic_context()
+        assert make_policy(spec, PolicyContext(costs=cheap, controller=ctx.controller)).take_reuse(400, 500) == 400
+        assert make_policy(spec, PolicyContext(costs=dear, controller=ctx.controller)).take_reuse(400, 500) == 0
+        assert make_policy(spec, PolicyContext(costs=base, controller=ctx.controller)).take_reuse(400, 500) == 400
+    assert make_policy("fixed:4").take_reuse(400, 500) == 400  # the others take what is offered
+
+
 def test_probes_back_off_when_they_do_not_pay():
     from dataclasses import replace
 

@@ -57,6 +57,31 @@ def test_greedy_equals_hf_generate_for_every_policy(pair, task, prompt):
         warnings.warn(f"near tie excused: {pair.target_tier} {policy} {task} at {i}, margin {margin:.1e}")
 
 
+def test_prefix_reuse_keeps_greedy_output_for_every_policy(pair):
+    """A shared system prompt, then: a miss, an exact repeat, a partial hit (another question
+    after the same system prompt), and a turn that re-sends the conversation. Output with reuse
+    equals output without it, token for token, for every policy (the live run's draft state is
+    also what a trace would have: replay stays exact)."""
+    from engine.generation import encode_messages
+    from engine.prefix_cache import PrefixCache
+
+    system = {"role": "system", "content": " ".join(p for _, p in bench_prompts(3))}
+    q1 = [system, {"role": "user", "content": "Write a haiku about caches."}]
+    q2 = [system, {"role": "user", "content": "What is 17 times 23?"}]
+    plain_first = Generation(pair, encode_messages(pair.tokenizer, q1), make_policy("ar"), GenConfig(max_new_tokens=24)).run()
+    turn2 = q1 + [{"role": "assistant", "content": pair.tokenizer.decode(plain_first.token_ids, skip_special_tokens=True)},
+                  {"role": "user", "content": "And one about speculation."}]
+    requests = [encode_messages(pair.tokenizer, m) for m in (q1, q1, q2, turn2)]
+    cfg = GenConfig(max_new_tokens=24)
+    plain = [Generation(pair, ids, make_policy("ar"), GenConfig(max_new_tokens=24, reuse=False)).run().token_ids
+             for ids in requests]
+    for policy in POLICY_EXAMPLES:
+        cache = PrefixCache()
+        runs = [Generation(pair, ids, make_policy(policy, synthetic_context()), cfg, prefix=cache).run() for ids in requests]
+        assert [r.token_ids for r in runs] == plain, (pair.target_tier, policy, [r.summary.prefix_hit for r in runs])
+        assert [r.summary.prefix_hit for r in runs] == ["miss", "exact", "partial", "partial"]
+
+
 def test_replay_of_traces_matches_live_runs(pair):
     """The what-if engine's promise on the real pair (fp32 and bf16): replaying a policy over the
     prompt's acceptance trace gives the live run's steps and accepted counts, one for one."""
@@ -104,8 +129,9 @@ def test_quantized_divergence_is_measured(quant_pair):
     d = divergence.measure(quant_pair, [p for _, p in PROMPTS[:2]], "fixed:4", 32)
     assert d.tier == quant_pair.target_tier and d.prompts == 2
     assert d.identical_fraction == sum(f is None for f in d.first_divergence) / 2
-    assert all(f is None or 0 <= f <= 32 for f in d.first_divergence)
-    print(f"{d.tier}: identical {d.identical_fraction:.0%}, first divergence {d.first_divergence}")
+    assert all(f is None or 0 <= f <= 32 for f in d.first_divergence + d.reuse_first_divergence)
+    print(f"{d.tier}: identical {d.identical_fraction:.0%}, first divergence {d.first_divergence}; "
+          f"with reuse {d.reuse_identical_fraction:.0%} {d.reuse_first_divergence}")
 
 
 def test_cli_generate_json_matches_hf(tmp_path):

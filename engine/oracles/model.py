@@ -9,7 +9,9 @@ import torch
 
 from engine import invariance
 from engine.forward import crop_to, forward_logits
+from engine.kv import new_cache
 from engine.models import ModelPair
+from engine.prefix_cache import Entry, Hit, PrefixCache, fill, kv_of
 from engine.records import DraftToken
 from engine.sampling import Sampler, draft_signals
 from engine.step import draft_tokens
@@ -34,8 +36,10 @@ class DraftModelProposer:
     drafts never pays the draft's prefill): the prompt alone first, as a trace reads it, then the
     tokens emitted since it last read, in one catch-up read."""
 
-    def __init__(self, pair: ModelPair, prompt_ids: list[int], sampler: Sampler) -> None:
+    def __init__(self, pair: ModelPair, prompt_ids: list[int], sampler: Sampler,
+                 hit: Callable[[], Hit] = lambda: Hit("off", 0)) -> None:
         self.pair, self.prompt_ids, self.sampler = pair, prompt_ids, sampler
+        self.hit = hit  # the prefill's prefix-cache hit (asked at the first draft): its draft positions
         self.cache = None  # the draft's KV cache; None until it first drafts
         self.pending: list[int] = []  # context tokens not read yet, ending at the newest one
         self._kept = 0  # cache length before the last proposal's drafted tokens
@@ -46,7 +50,11 @@ class DraftModelProposer:
         if k == 0:
             return []
         if self.cache is None:
-            _, self.cache = self._read(self.prompt_ids)
+            hit = self.hit()
+            reused = hit.draft_positions()
+            self.cache = fill(new_cache(self.pair.draft), hit.entry.draft_kv, reused) if reused else None
+            if reused < len(self.prompt_ids):
+                _, self.cache = self._read(self.prompt_ids[reused:])
         self._kept = self.cache.get_seq_length() + len(self.pending)
         feed = self.pending
 
@@ -80,18 +88,53 @@ class DraftModelProposer:
 
 
 class TargetVerifier:
-    """One target forward over [newest token, d_1 … d_k] scores every draft prefix at once."""
+    """One target forward over [newest token, d_1 … d_k] scores every draft prefix at once. With
+    a prefix cache, the prefill takes what the longest stored prefix offers (engine/prefix_cache.py)."""
 
-    def __init__(self, pair: ModelPair, prompt_ids: list[int], sampler: Sampler) -> None:
-        self.pair, self.sampler = pair, sampler
+    def __init__(self, pair: ModelPair, prompt_ids: list[int], sampler: Sampler,
+                 prefix: PrefixCache | None = None) -> None:
+        self.pair, self.sampler, self.prefix = pair, sampler, prefix
         self.tokens = list(prompt_ids)  # the context: the prompt and every emitted token
+        self.n_prompt = len(prompt_ids)
         self.cache = None  # holds all of `tokens` but the newest, the next input
         self.ended = False
+        self.hit = Hit("off" if prefix is None else "miss", 0)
+        self._prompt_logits: torch.Tensor | None = None  # [V], kept for the prefix cache
 
-    def prefill(self) -> int:
-        logits, self.cache = forward_logits(self.pair.target, self.tokens, None, 1, self.pair.vocab_size)  # [1, V]
+    @property
+    def reused(self) -> int:
+        return self.hit.reused
+
+    def prefill(self, take: Callable[[int], int] = lambda offered: offered) -> int:
+        """`take(offered)`: how many of the reusable positions to take (a policy's choice)."""
+        target = self.pair.target
+        if self.prefix is not None:
+            self.hit = self.prefix.lookup(self.key(), self.tokens)
+            if self.hit.reused and take(self.hit.reused) < self.hit.reused:
+                self.hit = Hit("declined", 0)
+        cache = new_cache(target)
+        if self.hit.reused:
+            fill(cache, self.hit.entry.kv, self.hit.reused)
+        if self.hit.logits is not None:  # an exact repeat: nothing left to read
+            logits = self.hit.logits[None]  # [1, V]
+        else:
+            logits, cache = forward_logits(target, self.tokens[self.hit.reused:], cache, 1, self.pair.vocab_size)
+        self.cache, self._prompt_logits = cache, logits[0]
         first, _ = self.sampler.choose(logits[0])
         return self._emit([first])[0]
+
+    def key(self) -> tuple:
+        """Whose states a prefix-cache entry holds: the pair, its tiers, the device."""
+        p = self.pair
+        return (p.target_name, p.target_tier, p.draft_name, p.draft_tier, str(p.device), p.exact_verify)
+
+    def remember(self, draft_cache) -> bool:
+        """Stores this run's context (prompt and output, as the cache holds them) and the draft's
+        state in the prefix cache; False when the budget refuses it."""
+        n = len(self.tokens) - 1
+        d = draft_cache.get_seq_length() if draft_cache is not None else 0
+        return self.prefix.put(Entry(self.key(), tuple(self.tokens[:n]), kv_of(self.cache, n), self.n_prompt,
+                                     self._prompt_logits, kv_of(draft_cache, d) if d else None, d))
 
     def verify(self, drafted: list[DraftToken]) -> tuple[int, list[int]]:
         pair, draft = self.pair, [d.token_id for d in drafted]

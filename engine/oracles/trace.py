@@ -36,8 +36,9 @@ class TraceVerifier:
         self.costs, self.clock = costs, clock
         self.pos = 0
         self.ended = False
+        self.reused = 0  # a trace holds no KV to reuse
 
-    def prefill(self) -> int:
+    def prefill(self, take: Callable[[int], int] = lambda offered: offered) -> int:
         return self._emit(self.out[:1])[0]
 
     def verify(self, drafted: list[DraftToken]) -> tuple[int, list[int]]:

@@ -67,6 +67,10 @@ _FACTORIES: dict[str, tuple[Callable[[str | None, PolicyContext], Policy], str]]
     "speckv-paper": (lambda a, c: SpeckvPolicy(c.need_controller("speckv", _version("speckv-paper", a)), c.costs,
                                                objective="paper", name="speckv-paper"), "speckv-paper"),
     "rakv": (lambda a, c: RakvPolicy(c.need_costs("rakv"), 0.6 if a is None else _float_arg("rakv", a)), "rakv"),
+    # RAKV-ASD's baselines, named as in its table: every policy takes the prefix cache's offer
+    # when the run has reuse on (--no-reuse: "no reuse").
+    "reuse-only": (lambda a, c: FixedPolicy(0, "reuse-only") if a is None else _no_arg("reuse-only"), "reuse-only"),
+    "joint": (lambda a, c: FixedPolicy(_int_arg("joint", a or "4"), f"joint:{a or 4}"), "joint:4"),
 }
 NEEDS_CONTEXT = ("speckv", "speckv-rf", "speckv-paper", "rakv")
 

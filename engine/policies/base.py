@@ -27,6 +27,11 @@ class Policy(Protocol):
         """Forget per-run state before a new generation."""
         ...
 
+    def take_reuse(self, offered: int, n_prompt: int) -> int:
+        """Before the prefill: how many of the `offered` prompt positions a prefix cache holds
+        to take (0 recomputes the whole prompt)."""
+        ...
+
 
 class BasePolicy:
     """Defaults for the optional hooks: draft the full γ, learn nothing."""
@@ -44,6 +49,9 @@ class BasePolicy:
 
     def reset(self) -> None:
         pass
+
+    def take_reuse(self, offered: int, n_prompt: int) -> int:
+        return offered
 
 
 # Plain (k = 0) steps teach an adaptive policy nothing about acceptance, so after PROBE_AFTER of
@@ -69,6 +77,14 @@ def _paid(run: list[StepRecord], costs: CostTable) -> bool:
     ms = sum(costs.step_ms(r.k_drafted, r.context_len) for r in bought)
     plain_ms = sum(r.emitted * costs.step_ms(0, r.context_len) for r in bought)
     return bool(bought) and plain_ms > ms
+
+
+def reuse_that_pays(costs: CostTable, offered: int, n_prompt: int) -> int:
+    """The reuse half of RAKV-ASD's joint choice: take the prefix cache's `offered` positions
+    when the measured prefill with them (fill those, read the rest) beats reading the whole
+    prompt; without prefill costs in the table, take them (a hit never reads more than a miss)."""
+    cold, reused = costs.prefill_cost(n_prompt, 0), costs.prefill_cost(n_prompt - offered, offered)
+    return offered if cold is None or reused < cold else 0
 
 
 def probe_due(state: DecodeState, costs: CostTable) -> bool:

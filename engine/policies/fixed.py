@@ -6,11 +6,11 @@ from engine.records import K_MAX, Action, DecodeState
 
 
 class FixedPolicy(BasePolicy):
-    def __init__(self, k: int) -> None:
+    def __init__(self, k: int, name: str | None = None) -> None:
         if not 0 <= k <= K_MAX:
             raise ValueError(f"fixed:k needs 0 ≤ k ≤ {K_MAX}, got {k}")
         self.k = k
-        self.name = "ar" if k == 0 else f"fixed:{k}"
+        self.name = name or ("ar" if k == 0 else f"fixed:{k}")
 
     def choose(self, state: DecodeState) -> Action:
         return Action(k=self.k)

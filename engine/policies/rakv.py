@@ -1,15 +1,15 @@
 """`rakv`: RAKV-ASD's draft-length rule (docs/architecture.md, "Policies and controllers"). An EWMA of per-token
 acceptance α (the engine keeps it) and the measured cost table give, for every k in
 {0, 1, 2, 4, 6, 8}, the expected cost per token; the cheapest wins, so plain decoding (k = 0)
-is chosen whenever speculation would not pay. Prefix reuse (the `reuse` half of its action)
-arrives with the cross-request KV cache; until then reuse is 0."""
+is chosen whenever speculation would not pay. Before the prefill it takes or declines the prefix
+cache's offer by the measured prefill costs (`take_reuse`)."""
 from __future__ import annotations
 
 import numpy as np
 
 from engine.predictor import candidates, expected_tokens
 from engine.costs import CostTable
-from engine.policies.base import BasePolicy, probe_due
+from engine.policies.base import BasePolicy, probe_due, reuse_that_pays
 from engine.records import Action, DecodeState
 
 
@@ -43,3 +43,6 @@ class RakvPolicy(BasePolicy):
 
     def reset(self) -> None:
         self._last = ()
+
+    def take_reuse(self, offered: int, n_prompt: int) -> int:
+        return reuse_that_pays(self.costs, offered, n_prompt)

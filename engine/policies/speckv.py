@@ -14,7 +14,7 @@ import numpy as np
 from engine.predictor import (PAPER_CANDIDATES, Predictor, candidates, feature_rows, last_drafting, signals_before,
                               tokens_from_rate)
 from engine.costs import CostTable
-from engine.policies.base import BasePolicy, probe_due
+from engine.policies.base import BasePolicy, probe_due, reuse_that_pays
 from engine.records import Action, DecodeState, StepRecord
 
 
@@ -55,6 +55,9 @@ class SpeckvPolicy(BasePolicy):
 
     def reset(self) -> None:
         self._last, self._feedback, self._rate = (), [0.0, 0.0], None
+
+    def take_reuse(self, offered: int, n_prompt: int) -> int:
+        return reuse_that_pays(self.costs, offered, n_prompt) if self.costs else offered
 
     def _scale(self) -> float:
         """Accepted / predicted over this generation's drafts, shrunk to 1 (FEEDBACK_PRIOR)."""

@@ -1,0 +1,126 @@
+"""Cross-request prefix reuse: the cache's budget, LRU order and collision safety, and greedy
+output with reuse (miss, partial hit, exact repeat, after an eviction) equal to output without."""
+import threading
+
+import pytest
+import torch
+
+from engine import prefix_cache as pc
+from engine.generation import GenConfig, Generation, encode_messages, encode_prompt
+from engine.policies import POLICY_EXAMPLES, make_policy
+from engine.prefix_cache import Entry, PrefixCache
+from tiny import synthetic_context
+
+KEY = ("target", "fp32", "draft", "fp32", "cpu", False)
+
+
+def entry(tokens, key=KEY, positions=None) -> Entry:
+    n = len(tokens) if positions is None else positions
+    kv = [(torch.zeros(1, 2, n, 4), torch.zeros(1, 2, n, 4))]  # 2 × 32 bytes a position
+    return Entry(key, tuple(tokens), kv, len(tokens), torch.zeros(8))
+
+
+def test_budget_must_be_positive():
+    for bad in (0, -1):
+        with pytest.raises(ValueError, match="budget must be > 0"):
+            PrefixCache(bad)
+
+
+def test_lru_eviction_keeps_bytes_under_the_budget():
+    size = entry(range(10)).nbytes
+    cache = PrefixCache(budget_bytes=2 * size + 1)  # room for two
+    a, b, c, d = (entry([i] * 10) for i in (1, 2, 3, 4))
+    assert cache.put(a) and cache.put(b)
+    assert cache.lookup(KEY, [1] * 10).kind == "exact"  # a is now the most recently used
+    assert cache.put(c)  # evicts b, the least recently used
+    assert [e.tokens[0] for e in cache.entries()] == [1, 3]
+    assert cache.put(d)  # evicts a
+    assert [e.tokens[0] for e in cache.entries()] == [3, 4]
+    s = cache.stats()
+    assert s["evictions"] == 2 and s["bytes"] == 2 * size <= s["budget_bytes"] and s["peak_bytes"] <= s["budget_bytes"]
+    assert cache.lookup(KEY, [2] * 10).kind == "miss"
+
+
+def test_an_entry_over_the_budget_is_refused():
+    cache = PrefixCache(budget_bytes=100)
+    assert not cache.put(entry(range(10)))
+    assert cache.stats()["refused"] == 1 and cache.stats()["bytes"] == 0
+
+
+def test_hits_take_the_verified_common_prefix():
+    cache = PrefixCache()
+    cache.put(entry([7] * 16 + [1, 2, 3, 4]))
+    exact = cache.lookup(KEY, [7] * 16 + [1, 2, 3, 4])
+    assert (exact.kind, exact.reused) == ("exact", 20) and exact.logits is not None
+    longer = cache.lookup(KEY, [7] * 16 + [1, 2, 3, 4, 5, 6])
+    assert (longer.kind, longer.reused) == ("partial", 20)
+    forks = cache.lookup(KEY, [7] * 16 + [1, 9])
+    assert (forks.kind, forks.reused) == ("partial", 17)
+    shorter = cache.lookup(KEY, [7] * 16 + [1, 2])  # a prefix of the stored prompt: its last token recomputed
+    assert (shorter.kind, shorter.reused) == ("partial", 17) and shorter.logits is None
+    assert cache.lookup(KEY, [8] * 20).kind == "miss"
+
+
+def test_equal_digests_never_hand_out_another_prompts_state(monkeypatch):
+    monkeypatch.setattr(pc, "digest", lambda key, tokens: b"same-bucket!")  # every entry collides
+    cache = PrefixCache()
+    cache.put(entry([1, 2, 3, 4]))
+    cache.put(entry([5, 6, 7, 8]))
+    cache.put(entry([1, 2, 3, 4], key=("another pair",)))
+    hit = cache.lookup(KEY, [5, 6, 9])
+    assert (hit.kind, hit.reused, hit.entry.tokens) == ("partial", 2, (5, 6, 7, 8))
+    assert cache.lookup(KEY, [9, 9, 9]).kind == "miss"
+    assert cache.lookup(("a third pair",), [1, 2, 3, 4]).kind == "miss"  # another session's model
+
+
+def test_sessions_share_the_cache_from_threads():
+    cache, errors = PrefixCache(budget_bytes=entry(range(10)).nbytes * 5), []
+
+    def session(i: int) -> None:
+        try:
+            for j in range(50):
+                cache.put(entry([i, j] + [0] * 8))
+                hit = cache.lookup(KEY, [i, j] + [0] * 8)
+                assert hit.kind == "miss" or hit.entry.tokens[:2] == (i, j)
+        except Exception as e:  # noqa: BLE001 - reported below
+            errors.append(e)
+
+    threads = [threading.Thread(target=session, args=(i,)) for i in range(4)]
+    [t.start() for t in threads]
+    [t.join() for t in threads]
+    assert not errors and cache.stats()["bytes"] <= cache.budget
+
+
+def _run(pair, ids, spec, cache, reuse=True, max_new=24):
+    cfg = GenConfig(max_new_tokens=max_new, reuse=reuse)
+    return Generation(pair, ids, make_policy(spec, synthetic_context()), cfg, prefix=cache).run()
+
+
+@pytest.mark.parametrize("spec", POLICY_EXAMPLES)
+def test_greedy_output_with_reuse_equals_output_without(tiny_pair, spec):
+    tok = tiny_pair.tokenizer
+    system = {"role": "system", "content": "You answer briefly. " * 6}
+    first = encode_messages(tok, [system, {"role": "user", "content": "What is 2+2?"}])
+    other = encode_messages(tok, [system, {"role": "user", "content": "Name a colour."}])
+    plain = {tuple(ids): _run(tiny_pair, ids, "ar", None, reuse=False).token_ids for ids in (first, other)}
+    cache = PrefixCache()
+    kinds = []
+    for ids in (first, first, other):  # a miss, an exact repeat, a partial hit on the system prompt
+        g = _run(tiny_pair, ids, spec, cache)
+        assert g.token_ids == plain[tuple(ids)], (spec, g.summary.prefix_hit)
+        assert g.records[0].reuse == g.summary.reused_tokens
+        kinds.append((g.summary.prefix_hit, g.summary.reused_tokens > 0))
+    assert kinds == [("miss", False), ("exact", True), ("partial", True)]
+    # After an eviction: a budget with room for one entry drops the first prompt's state.
+    small = PrefixCache(budget_bytes=cache.entries()[0].nbytes * 3 // 2)
+    for ids in (first, other, first):
+        assert _run(tiny_pair, ids, spec, small).token_ids == plain[tuple(ids)]
+    assert small.stats()["evictions"] >= 1
+
+
+def test_no_reuse_neither_looks_up_nor_stores(tiny_pair):
+    ids = encode_prompt(tiny_pair.tokenizer, "Hello there", chat=True)
+    cache = PrefixCache()
+    g = _run(tiny_pair, ids, "fixed:2", cache, reuse=False)
+    assert (g.summary.prefix_hit, g.summary.reused_tokens) == ("off", 0)
+    assert cache.stats()["lookups"] == cache.stats()["stored"] == 0
