@@ -53,10 +53,11 @@ def workloads(tokenizer, n: int, doc_tokens: int, system_tokens: int) -> dict[st
         long_answers += answers[:1]
         if len(msgs) >= 6 and len(convs) < 2 and sum(count(m["content"]) for m in msgs[:5]) <= 1200:
             convs.append(msgs[:5])
-        if len(short) >= 3 * n and len(convs) >= 2 and sum(map(count, long_answers)) >= doc_tokens + system_tokens:
+        if len(short) >= 3 * n and len(convs) >= 2 and sum(map(count, long_answers)) >= 2 * max(doc_tokens, system_tokens):
             break
-    system = cut(long_answers[0], system_tokens)
-    doc = cut("\n\n".join(long_answers[1:]), doc_tokens)
+    # Alternate answers feed the system prompt and the document: each is real text of its length.
+    system = cut("\n\n".join(long_answers[0::2]), system_tokens)
+    doc = cut("\n\n".join(long_answers[1::2]), doc_tokens)
     return dict(
         shared=[[{"role": "system", "content": system}, {"role": "user", "content": q}] for q in short[:n]],
         nosharing=[[{"role": "user", "content": q}] for q in short[n: 2 * n]],
