@@ -71,7 +71,7 @@ class DraftModelProposer:
 
     def update(self, accepted: int, emitted: list[int]) -> None:
         if not self._drafted:
-            self.pending = self.pending + emitted
+            self.pending.extend(emitted)  # in place: an `ar` run never reads, and copying would be O(n²)
             return
         # It read d_1 … d_{k-1} after the context; keep those the target accepted.
         kept = min(accepted, self._drafted - 1)
@@ -110,8 +110,9 @@ class TargetVerifier:
         target = self.pair.target
         if self.prefix is not None:
             self.hit = self.prefix.lookup(self.key(), self.tokens)
-            if self.hit.reused and take(self.hit.reused) < self.hit.reused:
-                self.hit = Hit("declined", 0)
+            taken = take(self.hit.reused) if self.hit.reused else 0
+            if taken < self.hit.reused:  # fewer positions than offered: no stored logits either
+                self.hit = Hit("partial", taken, self.hit.entry) if taken > 0 else Hit("declined", 0)
         cache = new_cache(target)
         if self.hit.reused:
             fill(cache, self.hit.entry.kv, self.hit.reused)
