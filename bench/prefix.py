@@ -7,8 +7,8 @@
     longdoc     one long document (a few thousand tokens of ShareGPT answers), several questions
     code        HumanEval problems
 
-Each workload runs as a sequence of requests with a fresh prefix cache under RAKV-ASD's four
-configurations, one after another in a rotating order: no reuse (`ar`, reuse off), reuse-only,
+Each workload runs as a sequence of requests under RAKV-ASD's four configurations, each with its
+own prefix cache, taking turns request by request: no reuse (`ar`, reuse off), reuse-only,
 joint:4 (fixed:4 with reuse) and rakv. Prints TTFT and total time with and without reuse, the hit
 rate, reused tokens, peak bytes, each configuration's regret against the best of its workload,
 and whether outputs with reuse equal those without, token for token.
@@ -17,6 +17,7 @@ Run: python bench/prefix.py [--json]   or   python -m engine bench prefix …"""
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import statistics
 import sys
@@ -29,6 +30,11 @@ from engine.args import add_model_args  # noqa: E402
 
 CONFIGS = {"no reuse": ("ar", False), "reuse-only": ("reuse-only", True), "joint:4": ("joint:4", True),
            "rakv": ("rakv", True)}
+BASELINES = ("no reuse", "reuse-only", "joint:4")  # RAKV-ASD's: rakv's regret is against the best of them
+RACE_MARGIN = 1.25  # after the first round, a configuration this far behind the best sits out the rest
+# A Williams square: over four requests each configuration runs once in each place and once
+# right after each other one.
+ORDERS = ((0, 1, 3, 2), (1, 2, 0, 3), (2, 3, 1, 0), (3, 0, 2, 1))
 QUESTIONS = ("Summarize the document above in three sentences.", "List the main topics the document covers.",
              "What practical advice does the document give?", "Who is the intended reader of the document?")
 
@@ -59,6 +65,7 @@ def workloads(tokenizer, n: int, doc_tokens: int, system_tokens: int) -> dict[st
     system = cut("\n\n".join(long_answers[0::2]), system_tokens)
     doc = cut("\n\n".join(long_answers[1::2]), doc_tokens)
     return dict(
+        calibration=[[{"role": "user", "content": q}] for q in short[2 * n: 3 * n]],
         shared=[[{"role": "system", "content": system}, {"role": "user", "content": q}] for q in short[:n]],
         nosharing=[[{"role": "user", "content": q}] for q in short[n: 2 * n]],
         multiturn=[c[: 2 * t + 1] for c in convs for t in range(3)],
@@ -68,45 +75,91 @@ def workloads(tokenizer, n: int, doc_tokens: int, system_tokens: int) -> dict[st
     )
 
 
-def run(pair, requests: list[list[int]], spec: str, reuse: bool, ctx, max_new: int, budget: int) -> dict:
-    """One configuration over a workload's requests, in order, with a fresh prefix cache."""
+def calibrated(pair, ctx, convs: list[list[dict]], max_new: int):
+    """`ctx` with its cost table calibrated on live steps of held-out requests (engine/costs.py,
+    `calibrate`), as `costs --calibrate` does from profiled runs: the bare forwards miss what a
+    live step pays beyond them, and rakv weighs the table."""
+    from dataclasses import replace
+
+    from engine.costs import calibrate
+    from engine.generation import GenConfig, Generation, encode_messages
+    from engine.policies import make_policy
+
+    live = []
+    for m in convs:
+        ids = encode_messages(pair.tokenizer, m)
+        for spec in ("ar", "fixed:1", "fixed:2", "fixed:4"):
+            g = Generation(pair, ids, make_policy(spec), GenConfig(max_new_tokens=max_new, reuse=False)).run()
+            live += [(r.k_drafted, r.context_len, r.draft_ms + r.verify_ms) for r in g.records[1:]]
+    return replace(ctx, costs=calibrate(ctx.costs, live))
+
+
+def request(pair, ids: list[int], spec: str, reuse: bool, cache, ctx, max_new: int) -> dict:
+    """One request under one configuration, timed whole: storing its state counts too."""
     from engine.forward import sync_device
     from engine.generation import GenConfig, Generation
     from engine.policies import make_policy
-    from engine.prefix_cache import PrefixCache
 
-    cache = PrefixCache(budget)
-    out = []
-    for ids in requests:
-        t0 = time.perf_counter()  # around the whole request: storing its state counts too
-        g = Generation(pair, ids, make_policy(spec, ctx), GenConfig(max_new_tokens=max_new, reuse=reuse), prefix=cache).run()
-        sync_device(pair.device)
-        out.append(dict(ttft_ms=g.summary.ttft_ms, wall_ms=(time.perf_counter() - t0) * 1e3, reused=g.summary.reused_tokens,
-                        hit=g.summary.prefix_hit, tokens=g.token_ids, prompt_tokens=len(ids)))
-    stats = cache.stats()
+    gc.collect()  # the previous request's garbage is not this one's to collect
+    t0 = time.perf_counter()
+    g = Generation(pair, ids, make_policy(spec, ctx), GenConfig(max_new_tokens=max_new, reuse=reuse), prefix=cache).run()
+    sync_device(pair.device)
+    return dict(ttft_ms=g.summary.ttft_ms, wall_ms=(time.perf_counter() - t0) * 1e3, reused=g.summary.reused_tokens,
+                hit=g.summary.prefix_hit, tokens=g.token_ids, prompt_tokens=len(ids),
+                drafting_steps=sum(r.k_drafted > 0 for r in g.records))
+
+
+def _median_request(same: tuple[dict, ...]) -> dict:
+    """One request's runs in several rounds: the first, with the median times."""
+    return dict(same[0], ttft_ms=statistics.median(r["ttft_ms"] for r in same),
+                wall_ms=statistics.median(r["wall_ms"] for r in same), rounds=len(same))
+
+
+def summary(out: list[dict], stats: dict, reuse: bool) -> dict:
+    """A configuration's figures over a workload, from its requests and its cache's counters."""
     hits = stats["exact_hits"] + stats["partial_hits"]
     return dict(requests=out, total_ms=sum(r["wall_ms"] for r in out),
                 ttft_ms_median=statistics.median(r["ttft_ms"] for r in out),
                 ttft_ms_mean=statistics.fmean(r["ttft_ms"] for r in out),
                 reused_tokens=sum(r["reused"] for r in out), prompt_tokens=sum(r["prompt_tokens"] for r in out),
+                drafting_steps=sum(r["drafting_steps"] for r in out),
                 hit_rate=hits / stats["lookups"] if reuse and stats["lookups"] else 0.0,
                 peak_bytes=stats["peak_bytes"], evictions=stats["evictions"])
 
 
-def measure(pair, loads: dict[str, list[list[dict]]], ctx, max_new: int, budget: int) -> dict:
+def measure(pair, loads: dict[str, list[list[dict]]], ctx, max_new: int, budget: int, rounds: int = 1) -> dict:
+    """Each configuration keeps its own prefix cache over a workload's request sequence; the
+    configurations take turns request by request, so that a slow spell of this shared machine
+    falls on all of them alike rather than on whichever ran then, in a balanced order (each
+    first, last and after each other alike): a rotation would always put rakv after joint:4.
+    With several rounds (fresh caches each), a request's time is its median over the rounds;
+    a configuration over RACE_MARGIN × the best after the first round sits the rest out."""
     from engine.generation import encode_messages
+    from engine.prefix_cache import PrefixCache
 
     names, results = list(CONFIGS), {}
-    for i, (wl, convs) in enumerate(loads.items()):
+    for wl, convs in loads.items():
         requests = [encode_messages(pair.tokenizer, m) for m in convs]
-        shift = i % len(names)  # rotate: no configuration always runs first on a cold machine
-        res = {c: run(pair, requests, CONFIGS[c][0], CONFIGS[c][1], ctx, max_new, budget)
-               for c in names[shift:] + names[:shift]}
-        best = min(res[c]["total_ms"] for c in ("no reuse", "reuse-only", "joint:4"))
-        plain = [r["tokens"] for r in res["no reuse"]["requests"]]
+        runs: dict[str, list[list[dict]]] = {c: [] for c in names}  # per configuration: rounds of requests
+        active, stats = list(names), {}
+        for rnd in range(rounds):
+            caches = {c: PrefixCache(budget) for c in active}
+            for c in active:
+                runs[c].append([])
+            for i, ids in enumerate(requests):
+                for c in (names[j] for j in ORDERS[(i + rnd) % len(ORDERS)] if names[j] in active):
+                    runs[c][-1].append(request(pair, ids, *CONFIGS[c], caches[c], ctx, max_new))
+            stats = stats or {c: caches[c].stats() for c in names}  # the same in every round
+            first = {c: sum(r["wall_ms"] for r in runs[c][0]) for c in names}
+            best = min(first[c] for c in BASELINES)
+            active = [c for c in active if first[c] <= RACE_MARGIN * best]
+        out = {c: [_median_request(same) for same in zip(*runs[c])] for c in names}
+        res = {c: summary(out[c], stats[c], CONFIGS[c][1]) for c in names}
+        best = min(res[c]["total_ms"] for c in BASELINES)
+        plain = [r["tokens"] for r in out["no reuse"]]
         for c, r in res.items():
             r["vs_best"] = r["total_ms"] / best
-            r["identical_to_no_reuse"] = [x["tokens"] for x in r["requests"]] == plain if c in ("reuse-only",) else None
+            r["identical_to_no_reuse"] = [x["tokens"] for x in out[c]] == plain if c == "reuse-only" else None
             for x in r["requests"]:
                 del x["tokens"]
         results[wl] = res
@@ -131,6 +184,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--system-tokens", type=int, default=1000, help="length of the shared system prompt")
     p.add_argument("--max-new-tokens", type=int, default=32)
     p.add_argument("--budget-mib", type=float, default=512.0, help="prefix cache budget")
+    p.add_argument("--rounds", type=int, default=1,
+                   help="repeat each workload; a request's time is its median (this machine's noise is ~8%% a run)")
     p.add_argument("--json", action="store_true")
     a = p.parse_args(argv)
     from engine.models import load_pair
@@ -141,19 +196,23 @@ def main(argv: list[str] | None = None) -> int:
     with Store(":memory:") as st:  # rakv's cost table, measured for this run
         ctx = policy_context(st, pair, say=lambda m: print(m, file=sys.stderr))
     loads = workloads(pair.tokenizer, a.requests, a.doc_tokens, a.system_tokens)
-    res = measure(pair, loads, ctx, a.max_new_tokens, int(a.budget_mib * 2**20))
-    res.update(target=pair.target_name, target_tier=pair.target_tier, device=str(pair.device))
+    ctx = calibrated(pair, ctx, loads.pop("calibration")[:3], a.max_new_tokens)
+    res = measure(pair, loads, ctx, a.max_new_tokens, int(a.budget_mib * 2**20), a.rounds)
+    res.update(target=pair.target_name, target_tier=pair.target_tier, device=str(pair.device),
+               step_factor=ctx.costs.step_factor)
     if a.json:
         print(json.dumps(res))
         return 0
-    print(f"prefix reuse, {pair.target_name} ({pair.target_tier}) on {pair.device}, {a.max_new_tokens} new tokens a request")
+    print(f"prefix reuse, {pair.target_name} ({pair.target_tier}) on {pair.device}, {a.max_new_tokens} new tokens a request, "
+          f"{a.rounds} round(s)")
     for wl, res_wl in res["workloads"].items():
         nr = res_wl["no reuse"]
         print(f"  {wl:10} {len(nr['requests'])} requests, {nr['prompt_tokens']} prompt tokens")
         for c, r in res_wl.items():
             same = "" if r["identical_to_no_reuse"] is None else f"  same output {r['identical_to_no_reuse']}"
             print(f"    {c:10} TTFT median {r['ttft_ms_median']:7.1f} ms  total {r['total_ms'] / 1e3:6.2f} s "
-                  f"({r['vs_best']:.3f}× best)  hit rate {r['hit_rate']:.2f}  reused {r['reused_tokens']}{same}")
+                  f"({r['vs_best']:.3f}× best)  hit rate {r['hit_rate']:.2f}  reused {r['reused_tokens']}  "
+                  f"drafting steps {r['drafting_steps']}{same}")
     print(f"TTFT speed-up on the shared prompt {res['ttft_speedup_shared']:.2f}×; miss overhead "
           f"{res['miss_overhead']:+.1%}; rakv vs best {res['rakv_vs_best']:+.1%}; peak {res['peak_bytes'] / 2**20:.1f} MiB "
           f"of {res['budget_bytes'] / 2**20:.0f}; outputs with reuse identical: {res['reuse_identical']}")

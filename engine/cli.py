@@ -264,11 +264,15 @@ def cmd_costs(a: argparse.Namespace) -> int:
             with Store(a.db) as st:
                 st.add_costs(table.to_rows(a.reps))
         out.append(dict(table.key, buckets=table.buckets, draft_ms=table.draft_ms,
-                        verify_ms=table.verify_ms, step_factor=table.step_factor))
+                        verify_ms=table.verify_ms, step_factor=table.step_factor, prefill_ms=table.prefill_ms,
+                        fill_ms=table.fill_ms, cold_read_ms=table.cold_read_ms, warm_read_ms=table.warm_read_ms))
         if not a.json:
             print(f"{pair.target_tier}: draft {pair.draft_name} ({pair.draft_tier}) on {pair.device}")
-            for b, d, v in zip(table.buckets, table.draft_ms, table.verify_ms):
-                print(f"  ctx {b:5d}  draft {d:6.2f} ms/token  verify k=0..8 " + " ".join(f"{x:6.1f}" for x in v))
+            none = [None] * len(table.buckets)
+            for b, d, v, p, c, w in zip(table.buckets, table.draft_ms, table.verify_ms, table.prefill_ms or none,
+                                        table.cold_read_ms or none, table.warm_read_ms or none):
+                reads = "" if None in (p, c, w) else f"  prefill {p:7.1f}  draft reads cold {c:6.1f}, warm {w:5.2f}/token"
+                print(f"  ctx {b:5d}  draft {d:6.2f} ms/token  verify k=0..8 " + " ".join(f"{x:6.1f}" for x in v) + reads)
             if table.step_factor:
                 print("  live / measured step time, k=0..8 " + " ".join(f"{x:6.3f}" for x in table.step_factor))
     if a.json:

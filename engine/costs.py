@@ -34,6 +34,12 @@ class CostTable:
     # cache from the prefix cache, per reused position. None: not measured (older tables).
     prefill_ms: list[float] | None = None
     fill_ms: float | None = None
+    # The draft's catch-up reads (its prefill is lazy): reading `bucket` tokens into an empty
+    # cache (a request's prompt, at its first draft), and ms per token read after a cache of
+    # `bucket` tokens (what was emitted since it last drafted). A draft that is not row-invariant
+    # reads the latter row by row: per token, nearly a drafted token's price. None: not measured.
+    cold_read_ms: list[float] | None = None
+    warm_read_ms: list[float] | None = None
 
     def __post_init__(self) -> None:
         assert self.buckets == sorted(self.buckets) and self.buckets, self.buckets
@@ -53,14 +59,26 @@ class CostTable:
 
     def prefill_cost(self, cold: int, reused: int) -> float | None:
         """ms to start a request: read `cold` prompt tokens after taking `reused` positions from
-        the prefix cache; linear in the tokens between measured buckets, and beyond them along the
-        slope of the last two. None without prefill measurements."""
+        the prefix cache. None without prefill measurements."""
         if self.prefill_ms is None or self.fill_ms is None:
             return None
-        xs, ys = self.buckets, self.prefill_ms
-        i = min(max(bisect.bisect_right(xs, cold) - 1, 0), max(len(xs) - 2, 0))
-        slope = (ys[i + 1] - ys[i]) / (xs[i + 1] - xs[i]) if len(xs) > 1 else ys[0] / xs[0]
-        return max(ys[i] + slope * (cold - xs[i]), 0.0) + reused * self.fill_ms
+        return self._along(self.prefill_ms, cold) + reused * self.fill_ms
+
+    def catchup_cost(self, cold: int, warm: int, context_len: int) -> float | None:
+        """ms for the draft to read what it has not read before it drafts: `cold` tokens into an
+        empty cache and `warm` after its cache. None unmeasured."""
+        if self.cold_read_ms is None or self.warm_read_ms is None:
+            return None
+        cold_ms = self._along(self.cold_read_ms, cold) if cold else 0.0
+        return cold_ms + warm * self.warm_read_ms[self.bucket_of(context_len)]
+
+    def _along(self, ms: list[float], tokens: int) -> float:
+        """Per-bucket ms at `tokens`: linear between measured buckets, and beyond them along
+        the slope of the last two."""
+        xs = self.buckets
+        i = min(max(bisect.bisect_right(xs, tokens) - 1, 0), max(len(xs) - 2, 0))
+        slope = (ms[i + 1] - ms[i]) / (xs[i + 1] - xs[i]) if len(xs) > 1 else ms[0] / xs[0]
+        return max(ms[i] + slope * (tokens - xs[i]), 0.0)
 
     @classmethod
     def from_rows(cls, rows: list[dict]) -> "CostTable":
@@ -69,18 +87,22 @@ class CostTable:
             raise ValueError("no cost rows: run `python -m engine costs` for this pair and tier first")
         rows = sorted(rows, key=lambda r: r["ctx_bucket"])
         key = {k: rows[0][k] for k in ("device", "target", "draft", "target_tier", "draft_tier")}
-        factor, prefill = rows[0].get("step_factor"), [r.get("prefill_ms") for r in rows]
+        factor = rows[0].get("step_factor")
+        per_bucket = lambda name: ([float(r[name]) for r in rows]  # noqa: E731
+                                   if all(_given(r.get(name)) for r in rows) else None)
         return cls([int(r["ctx_bucket"]) for r in rows], [float(r["draft_ms"]) for r in rows],
                    [[float(x) for x in r["verify_ms"]] for r in rows], key,
                    [float(x) for x in factor] if _given(factor) else None,
-                   [float(x) for x in prefill] if all(map(_given, prefill)) else None,
-                   float(rows[0]["fill_ms"]) if _given(rows[0].get("fill_ms")) else None)
+                   per_bucket("prefill_ms"),
+                   float(rows[0]["fill_ms"]) if _given(rows[0].get("fill_ms")) else None,
+                   per_bucket("cold_read_ms"), per_bucket("warm_read_ms"))
 
     def to_rows(self, reps: int) -> list[dict]:
-        prefill = self.prefill_ms or [None] * len(self.buckets)
+        none = [None] * len(self.buckets)
         return [dict(self.key, ctx_bucket=b, draft_ms=d, verify_ms=v, reps=reps, step_factor=self.step_factor,
-                     prefill_ms=p, fill_ms=self.fill_ms)
-                for b, d, v, p in zip(self.buckets, self.draft_ms, self.verify_ms, prefill)]
+                     prefill_ms=p, fill_ms=self.fill_ms, cold_read_ms=c, warm_read_ms=w)
+                for b, d, v, p, c, w in zip(self.buckets, self.draft_ms, self.verify_ms, self.prefill_ms or none,
+                                            self.cold_read_ms or none, self.warm_read_ms or none)]
 
 
 def _given(value) -> bool:

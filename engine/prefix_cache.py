@@ -10,8 +10,9 @@ logits start the answer); an exact repeat of a stored prompt takes every positio
 logits. Entries are evicted least recently used first under a byte budget; one larger than the
 whole budget is refused. One lock guards it: workbench sessions share a loaded pair and its cache.
 
-The draft's positions are path-independent by construction (engine/invariance.py), so reusing
-them leaves live runs replayable from traces. The target's reused positions were computed in
+A row-invariant draft's positions are path-independent (engine/invariance.py), so reusing them
+leaves live runs replayable from traces; any other draft takes them only from an exact repeat
+(`DraftModelProposer._reusable`). The target's reused positions were computed in
 another request's batches; where the target's kernels round a row differently with the batch,
 output can drift from a cold prefill, which `python -m engine divergence` measures."""
 from __future__ import annotations

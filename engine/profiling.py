@@ -14,13 +14,13 @@ from typing import Callable, Iterable
 
 import torch
 
-from engine.common import median_ms
+from engine.common import median_ms, medians_ms
 from engine.costs import CONTEXT_BUCKETS, REPS, WARMUP, CostTable
-from engine.forward import forward_logits, sync_device
+from engine.forward import crop_to, forward_logits, sync_device
 from engine.kv import new_cache
 from engine.generation import GenConfig, Generation, encode_prompt, run_row
 from engine.models import ModelPair
-from engine.oracles.model import DraftModelProposer, TargetVerifier
+from engine.oracles.model import DraftModelProposer, TargetVerifier, draft_read
 from engine.prefix_cache import fill, kv_of
 from engine.policies import K_MAX, make_policy
 from engine.records import DraftToken
@@ -83,14 +83,14 @@ def measure_costs(pair: ModelPair, buckets: tuple[int, ...] = CONTEXT_BUCKETS, r
                   progress: Callable[[str], None] = lambda m: None) -> CostTable:
     """Times the live oracles on a context of `bucket` random tokens: one drafted token (a draft
     forward, its law and signals), a verify of k = 0..8 drafted tokens (the target forward under
-    the pair's verify mode, acceptance, roll-back), and the prefill of the bucket's tokens into an
-    empty cache; and filling a cache from the prefix cache, per position. Medians after warm-up."""
+    the pair's verify mode, acceptance, roll-back), the target's prefill and the draft's catch-up
+    reads (the bucket's tokens into an empty cache; K_MAX tokens after them); and filling a cache from the prefix cache, per position. Medians after warm-up."""
     dev = pair.device
     buckets = tuple(b for b in buckets if b + K_MAX + 2 <= pair.max_context) or (min(buckets),)
     gen = torch.Generator().manual_seed(0)
     sampler = Sampler(0.0, 1.0, None, dev)
-    timed = lambda fn: median_ms(fn, reps, WARMUP, sync=lambda: sync_device(dev))  # noqa: E731
-    draft_ms, verify_ms, prefill_ms = [], [], []
+    sync = lambda: sync_device(dev)  # noqa: E731
+    draft_ms, verify_ms, prefill_ms, cold_read_ms, warm_read_ms = [], [], [], [], []
     for b in buckets:
         progress(f"costs at context {b}")
         ids = torch.randint(0, pair.vocab_size, (b + 1 + K_MAX,), generator=gen).tolist()
@@ -103,18 +103,29 @@ def measure_costs(pair: ModelPair, buckets: tuple[int, ...] = CONTEXT_BUCKETS, r
             proposer.propose(1, _always)
             proposer.rewind(b, ids[b : b + 1])
 
+        def warm_read() -> None:  # K_MAX tokens after the b-token cache, then back
+            draft_read(pair, ids[b + 1 :], proposer.cache)
+            crop_to(proposer.cache, b)
+
         def verify(k: int) -> None:
             verifier.verify([DraftToken(x, 0.0, 0.0) for x in ids[b + 1 : b + 1 + k]])
             verifier.rewind(b + 1)
 
-        draft_ms.append(timed(draft_one))
-        verify_ms.append([timed(lambda k=k: verify(k)) for k in range(K_MAX + 1)])
-        prefill_ms.append(timed(lambda: forward_logits(pair.target, ids[:b], None, 1, pair.vocab_size)))
+        # In turns, so that a slow spell of the machine cannot make one k look cheaper than another.
+        ms = medians_ms([draft_one, *(lambda k=k: verify(k) for k in range(K_MAX + 1)),
+                         lambda: forward_logits(pair.target, ids[:b], None, 1, pair.vocab_size),
+                         lambda: draft_read(pair, ids[:b], None), warm_read], reps, WARMUP, sync)
+        draft_ms.append(ms[0])
+        verify_ms.append(ms[1 : K_MAX + 2])
+        prefill_ms.append(ms[-3])
+        cold_read_ms.append(ms[-2])
+        warm_read_ms.append(ms[-1] / K_MAX)
     stored = kv_of(verifier.cache, buckets[-1])
-    fill_ms = timed(lambda: fill(new_cache(pair.target), stored, buckets[-1])) / buckets[-1]
+    fill_ms = median_ms(lambda: fill(new_cache(pair.target), stored, buckets[-1]), reps, WARMUP, sync) / buckets[-1]
     key = dict(device=str(dev), target=pair.target_name, draft=pair.draft_name,
                target_tier=pair.target_tier, draft_tier=pair.draft_tier)
-    return CostTable(list(buckets), draft_ms, verify_ms, key, prefill_ms=prefill_ms, fill_ms=fill_ms)
+    return CostTable(list(buckets), draft_ms, verify_ms, key, prefill_ms=prefill_ms, fill_ms=fill_ms,
+                     cold_read_ms=cold_read_ms, warm_read_ms=warm_read_ms)
 
 
 # -- sweeps ----------------------------------------------------------------------------------------

@@ -62,6 +62,10 @@ class DecodeState:
     history: list[StepRecord] = field(default_factory=list)
     alpha_ewma: float | None = None  # per-token acceptance, EWMA over drafted steps
     alpha_trials: float = 0.0  # the (decayed) trials behind alpha_ewma: how much to trust it
+    # Context tokens the draft would read before drafting, (into an empty cache, after its
+    # cache): the whole prompt before its first draft (its prefill is lazy), then what was
+    # emitted since it last drafted. A catch-up that drafting must earn back.
+    draft_unread: tuple[int, int] = (0, 0)
 
     @property
     def last(self) -> StepRecord | None:

@@ -13,6 +13,8 @@ from engine.records import AcceptanceEWMA, Action, DecodeState, DraftToken, RunS
 
 
 class Proposer(Protocol):
+    unread: tuple[int, int]  # context tokens its next draft reads first: (into an empty cache, after its cache)
+
     def propose(self, k: int, keep_drafting: Callable[[int, DraftToken], bool]) -> list[DraftToken]:
         """Up to k tokens after the context; asks keep_drafting(j, token) after each but the last."""
         ...
@@ -71,7 +73,8 @@ def decode(proposer: Proposer, verifier: Verifier, policy: Policy, run: Setting,
         remaining = run.budget - position
         state = DecodeState(step=len(history), position=position, context_len=run.n_prompt + position,
                             remaining=remaining, target_tier=run.target_tier, kv_tier=run.kv_tier,
-                            history=history, alpha_ewma=acc.alpha, alpha_trials=acc.trials)
+                            history=history, alpha_ewma=acc.alpha, alpha_trials=acc.trials,
+                            draft_unread=proposer.unread)
         t0 = clock()
         action = policy.choose(state)
         k = min(action.k, remaining - 1)  # never draft past the budget: the bonus token needs a slot

@@ -69,7 +69,7 @@ def replay(policy: Policy, trace: dict, positions: list[dict], costs: CostTable 
     assert all(p in at for p in range(1, len(out))), "trace positions are incomplete"
     clock, scored = ModelledClock(), _SelfScored(policy)
     run = Setting(n_prompt, int(trace["max_new_tokens"]), trace["target_tier"], kv_tier)
-    steps = list(decode(TraceProposer(at), TraceVerifier(out, at, n_prompt, costs, clock), scored, run, clock))
+    steps = list(decode(TraceProposer(at, n_prompt, costs, clock), TraceVerifier(out, at, n_prompt, costs, clock), scored, run, clock))
     guessed = [(g, r.emitted) for g, r in zip(scored.guesses, steps[1:]) if g is not None]
     return Replay(getattr(policy, "name", "?"), trace.get("prompt", ""), trace.get("task"), run.target_tier, steps,
                   len(out), clock.now if costs else None,

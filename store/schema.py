@@ -144,6 +144,13 @@ MIGRATIONS: list[str] = [
     ALTER TABLE costs ADD COLUMN prefill_ms DOUBLE;
     ALTER TABLE costs ADD COLUMN fill_ms DOUBLE;
     """,
+    # 5: the draft's catch-up reads: ms to read a bucket's tokens into an empty cache (a
+    # request's first draft), ms per token read after a cache of a bucket's tokens
+    # (engine/costs.py; older tables: NULL, not weighed).
+    """
+    ALTER TABLE costs ADD COLUMN cold_read_ms DOUBLE;
+    ALTER TABLE costs ADD COLUMN warm_read_ms DOUBLE;
+    """,
 ]
 
 # Values filled in for a missing key, matching the column DEFAULTs above: inserts go BY

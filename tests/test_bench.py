@@ -87,10 +87,14 @@ def test_prefix_bench_compares_reuse_against_recompute_on_every_workload(tiny_pa
                  multiturn=[ask("Hi"), ask("Hi") + [{"role": "assistant", "content": "Hello"}] + ask("More")],
                  longdoc=[ask("Doc text. " * 20 + q) for q in ("Sum?", "Topics?")],
                  code=[ask("def f(x):"), ask("def g(y):")])
-    res = prefix.measure(tiny_pair, loads, synthetic_context(), max_new=4, budget=64 << 20)
+    res = prefix.measure(tiny_pair, loads, synthetic_context(), max_new=4, budget=64 << 20, rounds=2)
     assert set(res["workloads"]) == set(loads) and all(set(w) == set(prefix.CONFIGS) for w in res["workloads"].values())
     shared = res["workloads"]["shared"]
     assert shared["no reuse"]["reused_tokens"] == 0 and shared["no reuse"]["hit_rate"] == 0
     assert shared["reuse-only"]["reused_tokens"] > 0 and shared["reuse-only"]["hit_rate"] == 2 / 3  # all but the first
     assert res["reuse_identical"] and 0 < res["peak_bytes"] <= res["budget_bytes"]
     assert min(w[c]["vs_best"] for w in res["workloads"].values() for c in ("no reuse", "reuse-only", "joint:4")) == 1.0
+    # Two rounds: the configurations near the best ran twice, each request's time is a median.
+    for w in res["workloads"].values():
+        rounds = {c: {x["rounds"] for x in w[c]["requests"]} for c in w}
+        assert all(len(r) == 1 for r in rounds.values()) and {2} in rounds.values()

@@ -69,6 +69,35 @@ def test_replay_matches_the_live_run_step_for_step(tiny_pair, traced, spec):
         assert [r.entropies for r in rep.steps] == [r.entropies for r in live.records]
 
 
+class _Unread:
+    """Wraps a policy, noting what each decision was told the draft had left to read."""
+
+    def __init__(self, policy):
+        self.policy, self.name, self.seen = policy, policy.name, []
+
+    def choose(self, state):
+        self.seen.append(state.draft_unread)
+        return self.policy.choose(state)
+
+    def __getattr__(self, name):
+        return getattr(self.policy, name)
+
+
+def test_replay_tells_policies_the_draft_catch_up_a_live_run_has(tiny_pair, traced):
+    traces, ctx = traced
+    t = traces[0]
+    ids = encode_prompt(tiny_pair.tokenizer, t.row["prompt"], chat=True)
+    for spec in ("heuristic", "fixed:2", "ar"):
+        live, rep = _Unread(make_policy(spec, ctx)), _Unread(make_policy(spec, ctx))
+        Generation(tiny_pair, ids, live, GenConfig(max_new_tokens=MAX_NEW)).run()
+        replay(rep, t.row, t.positions, ctx.costs)
+        assert live.seen == rep.seen and live.seen[0] == (len(ids), 0)  # the whole prompt before the first draft
+        if spec == "ar":
+            assert live.seen == [(len(ids), i) for i in range(len(live.seen))]  # it never reads
+        if spec == "fixed:2":
+            assert all(cold == 0 and warm <= 2 for cold, warm in live.seen[1:])  # what it emitted, less the newest
+
+
 def test_replay_costs_and_summary(traced):
     traces, ctx = traced
     reps = [replay(make_policy(s, ctx), t.row, t.positions, ctx.costs) for t in traces for s in ("ar", "fixed:4")]
@@ -93,7 +122,7 @@ def test_calibration_scales_each_draft_length_to_its_live_steps():
 
     t = CostTable([64, 256], [1.0, 2.0], [[10.0 + k for k in range(9)], [20.0 + k for k in range(9)]],
                   key=dict(device="cpu", target="t", draft="d", target_tier="fp32", draft_tier="fp32"),
-                  prefill_ms=[30.0, 90.0], fill_ms=0.02)
+                  prefill_ms=[30.0, 90.0], fill_ms=0.02, cold_read_ms=[8.0, 20.0], warm_read_ms=[0.5, 0.75])
     live = [(0, 100, 1.1 * t.step_ms(0, 100))] * CALIBRATE_MIN + [(1, 300, 1.2 * t.step_ms(1, 300))] * CALIBRATE_MIN
     live += [(4, 70, 1.5 * t.step_ms(4, 70))] * CALIBRATE_MIN + [(6, 70, 9.0 * t.step_ms(6, 70))] * (CALIBRATE_MIN - 1)
     cal = calibrate(t, live)
@@ -106,6 +135,8 @@ def test_calibration_scales_each_draft_length_to_its_live_steps():
         back = CostTable.from_rows(st.costs().to_dict("records"))
     assert back.step_factor == pytest.approx(cal.step_factor) and back.step_ms(4, 64) == pytest.approx(cal.step_ms(4, 64))
     assert back.prefill_cost(160, 100) == pytest.approx(60.0 + 100 * 0.02)  # calibration keeps the prefill
+    assert back.catchup_cost(160, 0, 160) == pytest.approx(14.0) and back.catchup_cost(448, 0, 448) == pytest.approx(32.0)
+    assert back.catchup_cost(0, 8, 300) == pytest.approx(6.0)
     with pytest.raises(ValueError, match="too few live steps.*python -m engine profile"):
         calibrate(t, live[:CALIBRATE_MIN])  # plain steps only: nothing says what drafting costs
 

@@ -83,6 +83,30 @@ def test_rakv_and_speckv_take_reuse_only_when_the_measured_prefill_pays():
     assert make_policy("fixed:4").take_reuse(400, 500) == 400  # the others take what is offered
 
 
+def test_drafting_must_repay_the_draft_catch_up():
+    from dataclasses import replace
+
+    ctx = synthetic_context()  # plain 10 ms a token; a k = 1 step 11.5 ms
+    # The draft reads 5 tokens a ms into an empty cache, 1 a ms after its cache.
+    costs = replace(ctx.costs, cold_read_ms=[0.2], warm_read_ms=[1.0])
+    sure = _state([_rec(4, 4, 4)] * 3)
+    sure.alpha_ewma, sure.alpha_trials = 0.95, 12.0
+    cases = (((0, 0), 50, True), ((200, 0), 50, True), ((20_000, 0), 50, False), ((200, 0), 2, False),
+             ((0, 200), 50, True), ((0, 1000), 50, False))
+    for spec in ("rakv", "speckv"):
+        pol = make_policy(spec, PolicyContext(costs=costs, controller=ctx.controller))
+        for unread, remaining, drafts in cases:
+            pol.reset()
+            st = replace(sure, draft_unread=unread, remaining=remaining)
+            assert (pol.choose(st).k > 0) is drafts, (spec, unread, remaining)
+    # A probe bets on the prior acceptance: after 8 plain steps it drafts only if that repays the read.
+    streak = _state([_rec(0, 0, 0)] * 8)
+    rakv = make_policy("rakv", PolicyContext(costs=costs))
+    assert rakv.choose(replace(streak, draft_unread=(0, 8))).k == 1
+    assert rakv.choose(replace(streak, draft_unread=(0, 500))).k == 0
+    assert make_policy("rakv", ctx).choose(replace(streak, draft_unread=(50_000, 0))).k == 1  # reads unmeasured
+
+
 def test_probes_back_off_when_they_do_not_pay():
     from dataclasses import replace
 

@@ -124,3 +124,21 @@ def test_no_reuse_neither_looks_up_nor_stores(tiny_pair):
     g = _run(tiny_pair, ids, "fixed:2", cache, reuse=False)
     assert (g.summary.prefix_hit, g.summary.reused_tokens) == ("off", 0)
     assert cache.stats()["lookups"] == cache.stats()["stored"] == 0
+
+
+@pytest.mark.parametrize("row_invariant", [True, False])
+def test_the_draft_proposes_with_reuse_what_it_proposes_cold(tiny_pair, row_invariant):
+    """The draft's reused state is what reading the prompt gives, so drafts (and replay) are
+    unchanged: a draft that is not row-invariant takes positions only from an exact repeat."""
+    from dataclasses import replace
+
+    pair = replace(tiny_pair, draft_row_invariant=row_invariant and tiny_pair.draft_row_invariant)
+    tok = pair.tokenizer
+    system = {"role": "system", "content": "You answer briefly. " * 6}
+    first = encode_messages(tok, [system, {"role": "user", "content": "What is 2+2?"}])
+    other = encode_messages(tok, [system, {"role": "user", "content": "Name a colour."}])
+    cold = {tuple(ids): _run(pair, ids, "fixed:2", None, reuse=False) for ids in (first, other)}
+    cache = PrefixCache()
+    for ids in (first, first, other):
+        g = _run(pair, ids, "fixed:2", cache)
+        assert [r.entropies for r in g.records] == [r.entropies for r in cold[tuple(ids)].records], g.summary.prefix_hit

@@ -45,14 +45,33 @@ class DraftModelProposer:
         self._kept = 0  # cache length before the last proposal's drafted tokens
         self._drafted = 0
 
+    @property
+    def unread(self) -> tuple[int, int]:
+        """Context tokens the next draft reads before its own first token, (into an empty cache,
+        after its cache): on a request's first draft the prompt (after the prefix cache's draft
+        positions, if any), then what was emitted since it last drafted; the newest token, which
+        every draft reads, is not counted."""
+        warm = len(self.pending) - 1
+        if self.cache is not None:
+            return 0, warm
+        reused = self._reusable()
+        return (0, len(self.prompt_ids) - reused + warm) if reused else (len(self.prompt_ids), warm)
+
+    def _reusable(self) -> int:
+        """Prompt positions the draft takes from the prefix cache. A draft that is not row-
+        invariant takes them only from an exact repeat: a partial hit's positions were computed in
+        another read's batch (not what reading this prompt gives), and its rest would be read
+        row by row after them, several times slower than reading the whole prompt at once."""
+        hit = self.hit()
+        return hit.draft_positions() if self.pair.draft_row_invariant or hit.kind == "exact" else 0
+
     def propose(self, k: int, keep_drafting: Callable[[int, DraftToken], bool]) -> list[DraftToken]:
         self._drafted = 0
         if k == 0:
             return []
         if self.cache is None:
-            hit = self.hit()
-            reused = hit.draft_positions()
-            self.cache = fill(new_cache(self.pair.draft), hit.entry.draft_kv, reused) if reused else None
+            reused = self._reusable()
+            self.cache = fill(new_cache(self.pair.draft), self.hit().entry.draft_kv, reused) if reused else None
             if reused < len(self.prompt_ids):
                 _, self.cache = self._read(self.prompt_ids[reused:])
         self._kept = self.cache.get_seq_length() + len(self.pending)

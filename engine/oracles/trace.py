@@ -14,17 +14,43 @@ from engine.step import ModelledClock, draft_tokens
 
 
 class TraceProposer:
-    def __init__(self, positions: dict[int, dict]) -> None:
+    """The recorded proposals. It keeps the live draft's reading schedule (the prompt at its
+    first draft, then what was emitted since it last drafted) so that policies weighing the
+    draft's catch-up see what they would live; with a cost table it prices each catch-up on
+    `clock`, as the live draft spends it."""
+
+    def __init__(self, positions: dict[int, dict], n_prompt: int = 0, costs: CostTable | None = None,
+                 clock: ModelledClock | None = None) -> None:
         self.at = positions  # position → its trace_positions row
         self.pos = 0  # emitted tokens so far
+        self.costs, self.clock, self.n_prompt = costs, clock, n_prompt
+        self._prompt_unread = n_prompt  # until the first draft reads it
+        self._pending = 0  # context tokens emitted since the last draft, the newest included
+        self._drafted = 0
+
+    @property
+    def unread(self) -> tuple[int, int]:
+        return self._prompt_unread, self._pending - 1
 
     def propose(self, k: int, keep_drafting: Callable[[int, DraftToken], bool]) -> list[DraftToken]:
+        self._drafted = 0
+        if k == 0:
+            return []
+        if self.costs is not None and self.clock is not None:
+            self.clock.now += self.costs.catchup_cost(*self.unread, self.n_prompt + self.pos) or 0.0
+        self._prompt_unread = 0
         row = self.at[self.pos]
-        return draft_tokens(k, keep_drafting, lambda j: DraftToken(
+        drafted = draft_tokens(k, keep_drafting, lambda j: DraftToken(
             int(row["draft_ids"][j]), float(row["entropies"][j]), float(row["confidences"][j])))
+        self._drafted = len(drafted)
+        return drafted
 
     def update(self, accepted: int, emitted: list[int]) -> None:
         self.pos += len(emitted)
+        # As the live draft: it read d_1 … d_{k-1}; those accepted stay, the rest is re-read.
+        kept = min(accepted, self._drafted - 1) if self._drafted else 0
+        self._pending = (self._pending if not self._drafted else 0) + len(emitted) - kept
+        self._drafted = 0
 
 
 class TraceVerifier:

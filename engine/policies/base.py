@@ -60,6 +60,7 @@ class BasePolicy:
 # wrong), so each drafting run that bought nothing doubles the wait, up to PROBE_MAX.
 PROBE_AFTER = 8
 PROBE_MAX = 64
+PROBE_ALPHA = 0.6  # the per-token acceptance a probe bets on, where a policy has no prior of its own
 
 
 def _plain(rec: StepRecord) -> bool:
@@ -85,6 +86,23 @@ def reuse_that_pays(costs: CostTable, offered: int, n_prompt: int) -> int:
     prompt; without prefill costs in the table, take them (a hit never reads more than a miss)."""
     cold, reused = costs.prefill_cost(n_prompt, 0), costs.prefill_cost(n_prompt - offered, offered)
     return offered if cold is None or reused < cold else 0
+
+
+def catchup_pays(costs: CostTable, state: DecodeState, ms_per_token: float) -> bool:
+    """Whether drafting at an expected `ms_per_token` for the rest of the run saves more than the
+    draft's catch-up read costs (the whole prompt before a request's first draft, less what the
+    prefix cache hands it): reuse thus shifts what drafting must earn back, the other half of
+    RAKV-ASD's joint choice. Without catch-up measurements, it does."""
+    cost = costs.catchup_cost(*state.draft_unread, state.context_len) if any(state.draft_unread) else None
+    if not cost:
+        return True
+    return (costs.step_ms(0, state.context_len) - ms_per_token) * state.remaining > cost
+
+
+def probe_pays(costs: CostTable, state: DecodeState, alpha: float) -> bool:
+    """A probe (one drafted token) bets that acceptance is back at `alpha`; it is worth its
+    catch-up only if drafting at that acceptance would repay it (`catchup_pays`)."""
+    return catchup_pays(costs, state, costs.step_ms(1, state.context_len) / (1.0 + alpha))
 
 
 def probe_due(state: DecodeState, costs: CostTable) -> bool:

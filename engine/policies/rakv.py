@@ -1,15 +1,16 @@
 """`rakv`: RAKV-ASD's draft-length rule (docs/architecture.md, "Policies and controllers"). An EWMA of per-token
 acceptance α (the engine keeps it) and the measured cost table give, for every k in
 {0, 1, 2, 4, 6, 8}, the expected cost per token; the cheapest wins, so plain decoding (k = 0)
-is chosen whenever speculation would not pay. Before the prefill it takes or declines the prefix
-cache's offer by the measured prefill costs (`take_reuse`)."""
+is chosen whenever speculation would not pay, and whenever its saving over the tokens left would
+not repay the draft's catch-up read (the prompt, before a request's first draft). Before the
+prefill it takes or declines the prefix cache's offer by the measured prefill costs (`take_reuse`)."""
 from __future__ import annotations
 
 import numpy as np
 
 from engine.predictor import candidates, expected_tokens
 from engine.costs import CostTable
-from engine.policies.base import BasePolicy, probe_due, reuse_that_pays
+from engine.policies.base import BasePolicy, catchup_pays, probe_due, probe_pays, reuse_that_pays
 from engine.records import Action, DecodeState
 
 
@@ -28,18 +29,18 @@ class RakvPolicy(BasePolicy):
 
     def choose(self, state: DecodeState) -> Action:
         if probe_due(state, self.costs):
-            return Action(k=1)
+            return Action(k=1 if probe_pays(self.costs, state, self.alpha0) else 0)
         n = state.alpha_trials if state.alpha_ewma is not None else 0.0
         alpha = ((state.alpha_ewma or 0.0) * n + self.alpha0 * PRIOR_TRIALS) / (n + PRIOR_TRIALS)
         ks = candidates(state)
         key = (alpha, self.costs.bucket_of(state.context_len), ks)
-        if self._last and self._last[0] == key:
-            return Action(k=self._last[1])
-        ks_arr = np.array(ks)
-        ms_per_token = np.array([self.costs.step_ms(int(k), state.context_len) for k in ks]) / expected_tokens(alpha, ks_arr)
-        k = int(ks_arr[int(np.argmin(ms_per_token))])
-        self._last = (key, k)
-        return Action(k=k)
+        if not (self._last and self._last[0] == key):
+            ks_arr = np.array(ks)
+            ms_per_token = np.array([self.costs.step_ms(int(k), state.context_len) for k in ks]) / expected_tokens(alpha, ks_arr)
+            best = int(np.argmin(ms_per_token))
+            self._last = (key, (int(ks_arr[best]), float(ms_per_token[best])))
+        k, ms = self._last[1]
+        return Action(k=k if k and catchup_pays(self.costs, state, ms) else 0)
 
     def reset(self) -> None:
         self._last = ()

@@ -4,8 +4,8 @@ the policy picks the γ with the most expected tokens per measured millisecond.
 
 What differs from the paper, and why: the uncertainty features are those of the previous
 drafting step (the paper reads them from the very tokens it is choosing γ for, which are not
-known yet); k = 0 is a candidate; the objective weighs cost; the prediction is scaled by what
-this generation's own drafts were accepted at (FEEDBACK_PRIOR). The paper's own rule, `â·γ + 1`
+known yet); k = 0 is a candidate; the objective weighs cost, the draft's catch-up read included;
+the prediction is scaled by what this generation's own drafts were accepted at (FEEDBACK_PRIOR). The paper's own rule, `â·γ + 1`
 over γ ∈ {2, 4, 6, 8} with no cost, stays available as `speckv-paper` for comparison."""
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ import numpy as np
 from engine.predictor import (PAPER_CANDIDATES, Predictor, candidates, feature_rows, last_drafting, signals_before,
                               tokens_from_rate)
 from engine.costs import CostTable
-from engine.policies.base import BasePolicy, probe_due, reuse_that_pays
+from engine.policies.base import PROBE_ALPHA, BasePolicy, catchup_pays, probe_due, probe_pays, reuse_that_pays
 from engine.records import Action, DecodeState, StepRecord
 
 
@@ -43,8 +43,11 @@ class SpeckvPolicy(BasePolicy):
     def choose(self, state: DecodeState) -> Action:
         if self.objective == "tps" and probe_due(state, self.costs):
             self.last_expected, self._rate = None, None
-            return Action(k=1)
+            return Action(k=1 if probe_pays(self.costs, state, PROBE_ALPHA) else 0)
         k, self.last_expected, rate = _OBJECTIVES[self.objective](self, state)
+        if k and self.objective == "tps" and not catchup_pays(
+                self.costs, state, self.costs.step_ms(k, state.context_len) / self.last_expected):
+            k, self.last_expected = 0, 1.0
         self._rate = rate if k else None
         return Action(k=k)
 
