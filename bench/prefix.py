@@ -39,9 +39,9 @@ QUESTIONS = ("Summarize the document above in three sentences.", "List the main 
              "What practical advice does the document give?", "Who is the intended reader of the document?")
 
 
-def workloads(tokenizer, n: int, doc_tokens: int, system_tokens: int) -> dict[str, list[list[dict]]]:
-    """Name → requests, each a list of chat messages. Real text throughout; the long document and
-    the system prompt are cut to a token count."""
+def workloads(tokenizer, n: int, doc_tokens: int, system_tokens: int) -> dict[str, list]:
+    """Name → requests, each a list of chat messages (and held-out first questions to calibrate
+    on). Real text throughout; the long document and the system prompt are cut to a token count."""
     from engine.importers import humaneval, sharegpt
 
     def count(text: str) -> int:
@@ -65,7 +65,7 @@ def workloads(tokenizer, n: int, doc_tokens: int, system_tokens: int) -> dict[st
     system = cut("\n\n".join(long_answers[0::2]), system_tokens)
     doc = cut("\n\n".join(long_answers[1::2]), doc_tokens)
     return dict(
-        calibration=[[{"role": "user", "content": q}] for q in short[2 * n: 3 * n]],
+        calibration=short[2 * n: 3 * n],
         shared=[[{"role": "system", "content": system}, {"role": "user", "content": q}] for q in short[:n]],
         nosharing=[[{"role": "user", "content": q}] for q in short[n: 2 * n]],
         multiturn=[c[: 2 * t + 1] for c in convs for t in range(3)],
@@ -75,23 +75,18 @@ def workloads(tokenizer, n: int, doc_tokens: int, system_tokens: int) -> dict[st
     )
 
 
-def calibrated(pair, ctx, convs: list[list[dict]], max_new: int):
-    """`ctx` with its cost table calibrated on live steps of held-out requests (engine/costs.py,
-    `calibrate`), as `costs --calibrate` does from profiled runs: the bare forwards miss what a
-    live step pays beyond them, and rakv weighs the table."""
-    from dataclasses import replace
+def calibrated(pair, st, prompts: list[str], max_new: int):
+    """The policies' context after a short profile of held-out requests, as a user tunes a pair:
+    their live steps calibrate the cost table (`costs --calibrate`: the bare forwards miss what a
+    live step pays beyond them) and give rakv the pair's acceptance as its prior."""
+    from engine.profiling import Job, run_job
+    from engine.service import calibrate_costs, cost_key, policy_context
 
-    from engine.costs import calibrate
-    from engine.generation import GenConfig, Generation, encode_messages
-    from engine.policies import make_policy
-
-    live = []
-    for m in convs:
-        ids = encode_messages(pair.tokenizer, m)
+    for prompt in prompts:
         for spec in ("ar", "fixed:1", "fixed:2", "fixed:4"):
-            g = Generation(pair, ids, make_policy(spec), GenConfig(max_new_tokens=max_new, reuse=False)).run()
-            live += [(r.k_drafted, r.context_len, r.draft_ms + r.verify_ms) for r in g.records[1:]]
-    return replace(ctx, costs=calibrate(ctx.costs, live))
+            st.add_run(*run_job(pair, Job(pair.target_tier, "calibration", prompt, spec), None, max_new))
+    calibrate_costs(st, cost_key(pair))
+    return policy_context(st, pair)
 
 
 def request(pair, ids: list[int], spec: str, reuse: bool, cache, ctx, max_new: int) -> dict:
@@ -193,18 +188,18 @@ def main(argv: list[str] | None = None) -> int:
     from store import Store
 
     pair = load_pair(a.target, a.draft, a.target_tier, a.draft_tier, a.device, a.trust_remote_code)
-    with Store(":memory:") as st:  # rakv's cost table, measured for this run
-        ctx = policy_context(st, pair, say=lambda m: print(m, file=sys.stderr))
     loads = workloads(pair.tokenizer, a.requests, a.doc_tokens, a.system_tokens)
-    ctx = calibrated(pair, ctx, loads.pop("calibration")[:3], a.max_new_tokens)
+    with Store(":memory:") as st:  # rakv's cost table and prior, measured for this run
+        policy_context(st, pair, say=lambda m: print(m, file=sys.stderr))
+        ctx = calibrated(pair, st, loads.pop("calibration")[:3], a.max_new_tokens)
     res = measure(pair, loads, ctx, a.max_new_tokens, int(a.budget_mib * 2**20), a.rounds)
     res.update(target=pair.target_name, target_tier=pair.target_tier, device=str(pair.device),
-               step_factor=ctx.costs.step_factor)
+               step_factor=ctx.costs.step_factor, rakv_alpha0=ctx.alpha0)
     if a.json:
         print(json.dumps(res))
         return 0
     print(f"prefix reuse, {pair.target_name} ({pair.target_tier}) on {pair.device}, {a.max_new_tokens} new tokens a request, "
-          f"{a.rounds} round(s)")
+          f"{a.rounds} round(s); rakv's prior α0 {res['rakv_alpha0'] or 0.6:.2f} (the calibration runs' acceptance)")
     for wl, res_wl in res["workloads"].items():
         nr = res_wl["no reuse"]
         print(f"  {wl:10} {len(nr['requests'])} requests, {nr['prompt_tokens']} prompt tokens")

@@ -39,6 +39,9 @@ def parse_tiers(text: str) -> list[str]:
 
 
 # -- costs -------------------------------------------------------------------------------------
+ALPHA_MIN_STEPS = 32  # drafting steps of stored runs before their acceptance replaces rakv's default prior
+
+
 def cost_key(pair) -> tuple:
     """(device, target, draft, target tier, draft tier): what a cost table is measured for."""
     return (str(pair.device), pair.target_name, pair.draft_name, pair.target_tier, pair.draft_tier)
@@ -102,8 +105,11 @@ def controller_loader(store: Store) -> Callable[[str, int | None], Predictor]:
 
 
 def policy_context(store: Store, pair, say: Callable[[str], None] = lambda m: None) -> PolicyContext:
-    """What `speckv`/`rakv` need on this pair: its cost table and the store's controllers."""
-    return PolicyContext(costs=cost_table(store, pair, say), controller=controller_loader(store))
+    """What `speckv`/`rakv` need on this pair: its cost table, the store's controllers, and the
+    pair's per-token acceptance on this tier where stored runs measured it (rakv's prior)."""
+    hits, n = store.first_token_acceptance(*cost_key(pair)[:4])
+    return PolicyContext(costs=cost_table(store, pair, say), controller=controller_loader(store),
+                         alpha0=hits / n if n >= ALPHA_MIN_STEPS else None)
 
 
 def context_for(db: str, pair, spec: str, say: Callable[[str], None] = lambda m: None) -> PolicyContext | None:

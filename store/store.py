@@ -280,6 +280,17 @@ class Store:
         with self._reader() as con:
             return con.execute(sql, [device, target, draft, target_tier]).df()
 
+    def first_token_acceptance(self, device: str, target: str, draft: str, target_tier: str) -> tuple[int, int]:
+        """(drafting steps whose first drafted token was accepted, drafting steps) over the
+        finished live runs of one pair on one device and tier: the per-token acceptance α of
+        the pair, whatever draft lengths the runs chose."""
+        sql = ("SELECT count(*) FILTER (WHERE s.accepted > 0), count(*) FROM steps s"
+               " JOIN runs r ON r.run_id = s.run_id WHERE r.device = ? AND r.target = ? AND r.draft = ?"
+               " AND r.target_tier = ? AND r.source = 'speclab' AND r.error IS NULL AND s.k_drafted > 0")
+        with self._reader() as con:
+            hits, n = con.execute(sql, [device, target, draft, target_tier]).fetchone()
+        return int(hits), int(n)
+
     def controller(self, name: str,
                    version: int | None = None) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
         """(params, meta) of one version; None means the active one, else the latest."""

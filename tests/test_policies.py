@@ -107,6 +107,21 @@ def test_drafting_must_repay_the_draft_catch_up():
     assert make_policy("rakv", ctx).choose(replace(streak, draft_unread=(50_000, 0))).k == 1  # reads unmeasured
 
 
+def test_rakv_takes_the_measured_acceptance_as_its_prior():
+    from engine.policies.rakv import ALPHA0
+
+    ctx = synthetic_context(draft_ms=3.0)  # plain 10 ms a token; a k = 1 step 13.5 ms
+    assert make_policy("rakv", ctx).alpha0 == ALPHA0  # nothing measured
+    measured = PolicyContext(costs=ctx.costs, alpha0=0.3)
+    pol = make_policy("rakv", measured)
+    assert (pol.alpha0, pol.name) == (0.3, "rakv")  # still `rakv`: the prior is the pair's, not the user's
+    assert make_policy("rakv:0.8", measured).alpha0 == 0.8  # the user's word wins
+    assert make_policy("rakv", PolicyContext(costs=ctx.costs, alpha0=1.0)).alpha0 < 1.0
+    # A prior of 0.3 says a draft of one token yields 1.3 tokens: on these costs, plain decoding.
+    fresh = _state([_rec(0, 0, 0)])
+    assert pol.choose(fresh).k == 0 and make_policy("rakv", PolicyContext(costs=ctx.costs, alpha0=0.9)).choose(fresh).k > 0
+
+
 def test_probes_back_off_when_they_do_not_pay():
     from dataclasses import replace
 

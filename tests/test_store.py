@@ -268,6 +268,18 @@ def test_runs_filters_and_order() -> None:
             st.runs(polcy="fixed:4")
 
 
+def test_first_token_acceptance_counts_drafting_steps_of_one_pair() -> None:
+    key = ("cpu", "Qwen/Qwen2.5-0.5B-Instruct", "tiny-draft", "fp16")
+    steps = make_steps(4)
+    steps[2]["accepted"] = 0  # one of three drafting steps lost its first token
+    with Store(":memory:") as st:
+        assert st.first_token_acceptance(*key) == (0, 0)
+        st.add_run(make_run(), steps)
+        st.add_run(make_run(target_tier="bf16"), make_steps(3))  # another tier
+        st.add_run(make_run(error="boom"), make_steps(3))  # a failed run
+        assert st.first_token_acceptance(*key) == (2, 3)
+
+
 def test_unknown_run_id() -> None:
     with Store(":memory:") as st, pytest.raises(StoreError, match="no run 'zzz'"):
         st.run("zzz")

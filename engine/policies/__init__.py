@@ -12,7 +12,7 @@ from engine.costs import CostTable
 from engine.policies.base import BasePolicy, Policy
 from engine.policies.fixed import FixedPolicy
 from engine.policies.heuristic import HeuristicPolicy
-from engine.policies.rakv import RakvPolicy
+from engine.policies.rakv import ALPHA0 as RAKV_ALPHA0, RakvPolicy
 from engine.policies.rules import RulesPolicy
 from engine.policies.speckv import SpeckvPolicy
 from engine.policies.threshold import ThresholdPolicy
@@ -23,6 +23,7 @@ from engine.records import K_MAX
 class PolicyContext:
     costs: CostTable | None = None  # measured for the pair and tier the policy will run on
     controller: Callable[[str, int | None], Predictor] | None = None  # (name, version or None = active)
+    alpha0: float | None = None  # the pair's per-token acceptance measured by stored runs: rakv's prior
 
     def need_costs(self, policy: str) -> CostTable:
         if self.costs is None:
@@ -66,7 +67,9 @@ _FACTORIES: dict[str, tuple[Callable[[str | None, PolicyContext], Policy], str]]
                                             c.need_costs("speckv-rf"), name="speckv-rf"), "speckv-rf"),
     "speckv-paper": (lambda a, c: SpeckvPolicy(c.need_controller("speckv", _version("speckv-paper", a)), c.costs,
                                                objective="paper", name="speckv-paper"), "speckv-paper"),
-    "rakv": (lambda a, c: RakvPolicy(c.need_costs("rakv"), 0.6 if a is None else _float_arg("rakv", a)), "rakv"),
+    "rakv": (lambda a, c: RakvPolicy(c.need_costs("rakv"), _float_arg("rakv", a)) if a is not None
+             else RakvPolicy(c.need_costs("rakv"), RAKV_ALPHA0 if c.alpha0 is None else min(c.alpha0, 0.99), "rakv"),
+             "rakv"),
     # RAKV-ASD's baselines, named as in its table: every policy takes the prefix cache's offer
     # when the run has reuse on (--no-reuse: "no reuse").
     "reuse-only": (lambda a, c: FixedPolicy(0, "reuse-only") if a is None else _no_arg("reuse-only"), "reuse-only"),

@@ -17,14 +17,17 @@ from engine.records import Action, DecodeState
 # rakv's prior α0 counts as this many trials beside the EWMA's own: one accepted probe alone
 # (α = 1/1) would otherwise send it to k = 8, a gamble that costs ~5 plain steps when it fails.
 PRIOR_TRIALS = 4.0
+# The prior α0 where nothing better is known; `python -m engine` passes the pair's per-token
+# acceptance measured by stored runs instead (service.policy_context), `rakv:α0` sets it.
+ALPHA0 = 0.6
 
 
 class RakvPolicy(BasePolicy):
-    def __init__(self, costs: CostTable, alpha0: float = 0.6) -> None:
+    def __init__(self, costs: CostTable, alpha0: float = ALPHA0, name: str | None = None) -> None:
         if not 0.0 <= alpha0 < 1.0:
             raise ValueError(f"rakv:α0 needs 0 ≤ α0 < 1, got {alpha0}")
         self.costs, self.alpha0 = costs, alpha0
-        self.name = "rakv" if alpha0 == 0.6 else f"rakv:{alpha0:g}"
+        self.name = name or ("rakv" if alpha0 == ALPHA0 else f"rakv:{alpha0:g}")
         self._last: tuple = ()  # (inputs, k) of the last decision: plain streaks repeat it
 
     def choose(self, state: DecodeState) -> Action:
