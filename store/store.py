@@ -48,6 +48,12 @@ def _run_tables(where: str, runs: Sequence[tuple[Mapping[str, Any], Sequence[Map
     return run_table, pa.concat_tables(steps) if steps else to_table("steps", "steps", [])
 
 
+# The steps of one pair's finished live runs on one device and tier (parameters: device,
+# target, draft, target tier): what calibrates its cost table and measures its acceptance.
+_PAIR_LIVE_STEPS = (" FROM steps s JOIN runs r ON r.run_id = s.run_id WHERE r.device = ? AND r.target = ?"
+                    " AND r.draft = ? AND r.target_tier = ? AND r.source = 'speclab' AND r.error IS NULL")
+
+
 class Store:
     """Handle on one SpecLab database file (or ":memory:").
 
@@ -274,9 +280,8 @@ class Store:
     def step_times(self, device: str, target: str, draft: str, target_tier: str) -> pd.DataFrame:
         """(k_drafted, context_len, ms) of every decode step after the prefill of the finished
         runs of one pair on one device and tier; ms = draft_ms + verify_ms."""
-        sql = ("SELECT s.k_drafted, s.context_len, s.draft_ms + s.verify_ms AS ms FROM steps s"
-               " JOIN runs r ON r.run_id = s.run_id WHERE r.device = ? AND r.target = ? AND r.draft = ?"
-               " AND r.target_tier = ? AND r.source = 'speclab' AND r.error IS NULL AND s.step > 0 ORDER BY r.created_at, s.run_id, s.step")
+        sql = ("SELECT s.k_drafted, s.context_len, s.draft_ms + s.verify_ms AS ms" + _PAIR_LIVE_STEPS +
+               " AND s.step > 0 ORDER BY r.created_at, s.run_id, s.step")
         with self._reader() as con:
             return con.execute(sql, [device, target, draft, target_tier]).df()
 
@@ -284,9 +289,7 @@ class Store:
         """(drafting steps whose first drafted token was accepted, drafting steps) over the
         finished live runs of one pair on one device and tier: the per-token acceptance α of
         the pair, whatever draft lengths the runs chose."""
-        sql = ("SELECT count(*) FILTER (WHERE s.accepted > 0), count(*) FROM steps s"
-               " JOIN runs r ON r.run_id = s.run_id WHERE r.device = ? AND r.target = ? AND r.draft = ?"
-               " AND r.target_tier = ? AND r.source = 'speclab' AND r.error IS NULL AND s.k_drafted > 0")
+        sql = "SELECT count(*) FILTER (WHERE s.accepted > 0), count(*)" + _PAIR_LIVE_STEPS + " AND s.k_drafted > 0"
         with self._reader() as con:
             hits, n = con.execute(sql, [device, target, draft, target_tier]).fetchone()
         return int(hits), int(n)
