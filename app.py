@@ -11,6 +11,7 @@ st.set_page_config(page_title="SpecLab", page_icon=":material/speed:", layout="w
 PAGES = [
     st.Page("pages/live.py", title="Live decode", icon=":material/bolt:", default=True),
     st.Page("pages/replay.py", title="Replay & retrain", icon=":material/model_training:"),
+    st.Page("pages/kv.py", title="KV & prefetch", icon=":material/memory:"),
 ]
 
 page = st.navigation(PAGES)

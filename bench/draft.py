@@ -20,7 +20,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 
 from engine.args import add_model_args  # noqa: E402
-from engine.kv import new_cache  # noqa: E402
+from engine.kv.cache import new_cache  # noqa: E402
 from engine.models import ModelPair, load_pair  # noqa: E402
 from engine.policies import make_policy  # noqa: E402
 from engine.prompts import heldout  # noqa: E402

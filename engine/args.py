@@ -17,5 +17,18 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--trust-remote-code", action="store_true", help="run a model repo's own code")
 
 
+# The target's KV cache tier (engine/kv/tiers.py); checked where it is used (GenConfig,
+# service.parse_kv_tiers), so an unknown one is refused in one line naming the known ones.
+KV_TIER_ARG = ("--kv-tier", dict(default="native", help="the target's KV cache tier: native (the model's dtype), "
+                                 "fp8 (e4m3 × a power of two per token and head) or int8 (× a bf16 scale)"))
+KV_TIERS_ARG = ("--kv-tiers", dict(default="native", help="comma-separated KV tiers of the target's cache: "
+                                   "native, fp8, int8"))
+
+
+def add_kv_tier_arg(p: argparse.ArgumentParser) -> None:
+    """--kv-tier, for the benchmarks."""
+    p.add_argument(KV_TIER_ARG[0], **KV_TIER_ARG[1])
+
+
 def add_db_arg(p: argparse.ArgumentParser, help: str = "DuckDB file") -> None:
     p.add_argument("--db", default=default_db(), help=f"{help} (default: $SPECLAB_DB, else speclab.duckdb)")

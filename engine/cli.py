@@ -13,7 +13,7 @@ import sys
 from pathlib import Path
 from typing import Callable, Iterator
 
-from engine.args import add_db_arg, add_model_args
+from engine.args import KV_TIER_ARG, KV_TIERS_ARG, add_db_arg, add_model_args
 from engine.common import csv_list, one_line
 from engine.costs import REPS
 from engine.policies import POLICY_EXAMPLES
@@ -81,7 +81,7 @@ def _open_or_fail(db: str) -> None:
          ("--prompt", dict(required=True)), ("--chat", dict(action="store_true", help="apply the chat template")),
          ("--policy", dict(default="fixed:4", help=f"one of {', '.join(POLICY_EXAMPLES)}")),
          ("--max-new-tokens", dict(type=int, default=128)), ("--temperature", dict(type=float, default=0.0)),
-         ("--top-p", dict(type=float, default=1.0)), ("--seed", dict(type=int, default=None)),
+         ("--top-p", dict(type=float, default=1.0)), ("--seed", dict(type=int, default=None)), KV_TIER_ARG,
          ("--task", dict(default=None, help="label stored with the run (code, math, …)")),
          ("--no-reuse", dict(action="store_true", help="recompute the whole prompt: no cross-request prefix KV")),
          ("--prefix-budget", dict(type=float, default=512.0, help="prefix cache budget in MiB")),
@@ -96,12 +96,12 @@ def cmd_generate(a: argparse.Namespace) -> int:
     from engine.prefix_cache import PrefixCache
 
     cfg = GenConfig(max_new_tokens=a.max_new_tokens, temperature=a.temperature, top_p=a.top_p, seed=a.seed,
-                    reuse=not a.no_reuse)
+                    kv_tier=a.kv_tier, reuse=not a.no_reuse)
     cfg.validate()
     prefix = PrefixCache(int(a.prefix_budget * 2**20))  # a budget ≤ 0 fails here, before any model loads
     _open_or_fail(a.db)
     pair = _load(a, a.target_tier, progress=lambda m: None)
-    policy = make_policy(a.policy, context_for(a.db, pair, a.policy, _say))  # speckv/rakv: costs, controller
+    policy = make_policy(a.policy, context_for(a.db, pair, a.policy, _say, cfg.kv_tier))  # speckv/rakv: costs, controller
     gen = Generation(pair, encode_prompt(pair.tokenizer, a.prompt, a.chat), policy, cfg, prefix)
     shown = ""
     for _ in gen:
@@ -124,11 +124,13 @@ def cmd_generate(a: argparse.Namespace) -> int:
             tokens_per_step=s.tokens_per_step, n_tokens=s.n_tokens, n_steps=s.n_steps,
             stop_reason=s.stop_reason, policy=policy.name, target=pair.target_name,
             draft=pair.draft_name, target_tier=pair.target_tier, draft_tier=pair.draft_tier,
+            kv_tier=cfg.kv_tier, kv_bytes_per_token=gen.kv_bytes_per_token,
             device=str(pair.device), seed=gen.seed, run_id=run_id, reused_tokens=s.reused_tokens,
             prefix_hit=s.prefix_hit, steps=steps)))
     else:
         rate = "–" if s.acceptance_rate is None else f"{s.acceptance_rate:.2f}"
-        _say(f"\n[{policy.name} · {pair.target_tier} · {s.n_tokens} tokens · {s.tokens_per_s:.1f} tok/s · "
+        _say(f"\n[{policy.name} · {pair.target_tier} · KV {cfg.kv_tier} {gen.kv_bytes_per_token / 1024:.1f} KiB/token · "
+             f"{s.n_tokens} tokens · {s.tokens_per_s:.1f} tok/s · "
              f"TTFT {s.ttft_ms:.0f} ms · {s.tokens_per_step:.2f} tok/step · acceptance {rate} · "
              f"{s.stop_reason}{f' · run {run_id}' if run_id else ''}]")
     return 0
@@ -235,7 +237,7 @@ def cmd_bench(a: argparse.Namespace) -> int:
 
 
 # -- measure, replay, learn ------------------------------------------------------------------------
-@command("costs", "measure draft/verify costs per tier and context (stored)", TIERS_ARG,
+@command("costs", "measure draft/verify costs per tier, KV tier and context (stored)", TIERS_ARG, KV_TIERS_ARG,
          ("--buckets", dict(default="64,256,512", help="context lengths to measure at")),
          ("--reps", dict(type=int, default=REPS, help="timed repetitions per point (after warm-up)")),
          ("--calibrate", dict(action="store_true", help="instead of measuring: scale the stored table to the "
@@ -243,10 +245,10 @@ def cmd_bench(a: argparse.Namespace) -> int:
          JSON_ARG, models=True, db="DuckDB file")
 def cmd_costs(a: argparse.Namespace) -> int:
     from engine.profiling import measure_costs
-    from engine.service import calibrate_costs, cost_key, parse_tiers
+    from engine.service import calibrate_costs, cost_key, parse_kv_tiers, parse_tiers
     from store import Store
 
-    tiers = parse_tiers(a.tiers)
+    tiers, kv_tiers = parse_tiers(a.tiers), parse_kv_tiers(a.kv_tiers)
     try:
         buckets = tuple(int(b) for b in csv_list(a.buckets))
     except ValueError:
@@ -255,19 +257,19 @@ def cmd_costs(a: argparse.Namespace) -> int:
         raise ValueError("--buckets needs positive context lengths and --reps ≥ 1")
     _open_or_fail(a.db)
     out = []
-    for pair in _pairs(a, tiers):
+    for pair, kv_tier in ((pair, kv) for pair in _pairs(a, tiers) for kv in kv_tiers):
         if a.calibrate:
             with Store(a.db) as st:
-                table = calibrate_costs(st, cost_key(pair))
+                table = calibrate_costs(st, cost_key(pair, kv_tier))
         else:
-            table = measure_costs(pair, buckets, a.reps, progress=_say)
+            table = measure_costs(pair, buckets, a.reps, progress=_say, kv_tier=kv_tier)
             with Store(a.db) as st:
                 st.add_costs(table.to_rows(a.reps))
         out.append(dict(table.key, buckets=table.buckets, draft_ms=table.draft_ms,
                         verify_ms=table.verify_ms, step_factor=table.step_factor, prefill_ms=table.prefill_ms,
                         fill_ms=table.fill_ms, cold_read_ms=table.cold_read_ms, warm_read_ms=table.warm_read_ms))
         if not a.json:
-            print(f"{pair.target_tier}: draft {pair.draft_name} ({pair.draft_tier}) on {pair.device}")
+            print(f"{pair.target_tier}, KV {kv_tier}: draft {pair.draft_name} ({pair.draft_tier}) on {pair.device}")
             none = [None] * len(table.buckets)
             for b, d, v, p, c, w in zip(table.buckets, table.draft_ms, table.verify_ms, table.prefill_ms or none,
                                         table.cold_read_ms or none, table.warm_read_ms or none):
@@ -280,26 +282,28 @@ def cmd_costs(a: argparse.Namespace) -> int:
     return 0
 
 
-@command("trace", "acceptance traces along the target's greedy output (stored)", TIERS_ARG, PROMPTS_ARG,
+@command("trace", "acceptance traces along the target's greedy output (stored)", TIERS_ARG, KV_TIERS_ARG, PROMPTS_ARG,
          ("--per-task", dict(type=int, default=None, help="prompts per task (default: all)")),
          ("--max-new-tokens", dict(type=int, default=128)),
          ("--temperature", dict(type=float, default=None,
                                 help="also store Σ min(p, q) per position at this sampling temperature")),
          models=True, db="DuckDB file")
 def cmd_trace(a: argparse.Namespace) -> int:
-    from engine.service import parse_tiers, prompt_set, trace_prompts
+    from engine.service import parse_kv_tiers, parse_tiers, prompt_set, trace_prompts
     from store import Store
 
-    tiers, prompts = parse_tiers(a.tiers), prompt_set(a.prompts, a.per_task)
+    tiers, kv_tiers, prompts = parse_tiers(a.tiers), parse_kv_tiers(a.kv_tiers), prompt_set(a.prompts, a.per_task)
     if a.max_new_tokens < 2:
         raise ValueError("--max-new-tokens must be ≥ 2 for a trace to have a position")
     made = 0
     with Store(a.db) as st:  # one connection; each trace is committed as it is made
         for pair in _pairs(a, tiers):
-            bar = _bar(f"trace {pair.target_tier}", "trace")
-            made += trace_prompts(st, pair, prompts, a.max_new_tokens, a.temperature,
-                                  on_start=lambda n: bar.reset(total=n), on_trace=lambda: bar.update(1))
-            bar.close()
+            for kv_tier in kv_tiers:
+                bar = _bar(f"trace {pair.target_tier}, KV {kv_tier}", "trace")
+                made += trace_prompts(st, pair, prompts, a.max_new_tokens, a.temperature,
+                                      on_start=lambda n: bar.reset(total=n), on_trace=lambda: bar.update(1),
+                                      kv_tier=kv_tier)
+                bar.close()
     _say(f"{made} traces stored in {a.db}")
     return 0
 
@@ -307,23 +311,25 @@ def cmd_trace(a: argparse.Namespace) -> int:
 @command("whatif", "replay policies over stored traces with the stored cost tables",
          ("--policies", dict(default=TRACE_POLICIES)),
          ("--tiers", dict(default=None, help="only these target tiers")),
+         ("--kv-tiers", dict(default=None, help="only traces made at these KV tiers (native, fp8, int8)")),
          ("--by", dict(default="task", choices=("task", "prompt"), help="rows per task or per prompt")),
          JSON_ARG, db="DuckDB file")
 def cmd_whatif(a: argparse.Namespace) -> int:
-    from engine.service import parse_tiers, replay_rows
+    from engine.service import parse_kv_tiers, parse_tiers, replay_rows
     from store import Store
 
+    kv_tiers = parse_kv_tiers(a.kv_tiers) if a.kv_tiers else None
     with Store(a.db, read_only=True) as st:
-        rows = replay_rows(st, csv_list(a.policies), parse_tiers(a.tiers) if a.tiers else None, a.by)
+        rows = replay_rows(st, csv_list(a.policies), parse_tiers(a.tiers) if a.tiers else None, a.by, kv_tiers)
     if a.json:
         print(json.dumps(rows))
         return 0
     width = min(max(len(str(r[a.by])) for r in rows), 48) if a.by == "prompt" else 14
-    print(f"{'tier':5} {'policy':14} {a.by:{width}} {'prompts':>7} {'tok/step':>8} {'tok/s':>8}  self-scored gap")
+    print(f"{'tier':5} {'KV':6} {'policy':14} {a.by:{width}} {'prompts':>7} {'tok/step':>8} {'tok/s':>8}  self-scored gap")
     for r in rows:
         tps = f"{r['tokens_per_s']:8.1f}" if r["tokens_per_s"] else "       –"
         gap = f"{r['self_scored_gap']:+.1%}" if r["self_scored_gap"] is not None else ""
-        print(f"{r['target_tier']:5} {r['policy']:14} {str(r[a.by])[:48]:{width}} {r['prompts']:7d} "
+        print(f"{r['target_tier']:5} {r['kv_tier']:6} {r['policy']:14} {str(r[a.by])[:48]:{width}} {r['prompts']:7d} "
               f"{r['tokens_per_step']:8.2f} {tps}  {gap}")
     return 0
 
@@ -353,7 +359,8 @@ def cmd_retrain(a: argparse.Namespace) -> int:
     return 0
 
 
-@command("profile", "sweep prompts × target tiers × policies live; every run and step stored", TIERS_ARG,
+@command("profile", "sweep prompts × target tiers × KV tiers × policies live; every run and step stored", TIERS_ARG,
+         KV_TIERS_ARG,
          ("--policies", dict(default="ar,fixed:1,fixed:2,fixed:3,fixed:4,fixed:6,speckv,rakv")), PROMPTS_ARG,
          ("--per-task", dict(type=int, default=2)), ("--max-new-tokens", dict(type=int, default=128)),
          ("--sweep", dict(default="default", help="sweep name: a rerun with the same name resumes it")),
@@ -361,16 +368,17 @@ def cmd_retrain(a: argparse.Namespace) -> int:
 def cmd_profile(a: argparse.Namespace) -> int:
     from engine.policies import parse_policy
     from engine.profiling import sweep_jobs
-    from engine.service import format_sweep, parse_tiers, profile, prompt_set, sweep_table
+    from engine.service import format_sweep, parse_kv_tiers, parse_tiers, profile, prompt_set, sweep_table
     from store import Store
 
     tiers, prompts, policies = parse_tiers(a.tiers), prompt_set(a.prompts, a.per_task), csv_list(a.policies)
+    kv_tiers = parse_kv_tiers(a.kv_tiers)
     for spec in policies:
         parse_policy(spec)  # a typo fails before any model loads
     with Store(a.db) as st:  # one read-write connection for the sweep; each run committed as it finishes
         bar = _bar(f"profile {a.sweep}")
         try:
-            profile(st, a.sweep, sweep_jobs(prompts, tiers, policies), lambda tier: _load(a, tier), a.max_new_tokens,
+            profile(st, a.sweep, sweep_jobs(prompts, tiers, policies, kv_tiers), lambda tier: _load(a, tier), a.max_new_tokens,
                     on_start=lambda n: bar.reset(total=n), on_run=lambda: bar.update(1), say=_say)
         except KeyboardInterrupt:
             bar.close()
@@ -380,6 +388,22 @@ def cmd_profile(a: argparse.Namespace) -> int:
     with Store(a.db, read_only=True) as st:
         table = sweep_table(st.runs(sweep=a.sweep))
     print(json.dumps(table) if a.json else format_sweep(table))
+    return 0
+
+
+@command("tune", "recommend a KV tier, coding, W and γ from the stored `bench kv` measurement, beside the seed "
+         "preset",
+         ("--context", dict(type=int, required=True, help="context length in tokens")),
+         ("--link-gbit-s", dict(type=float, required=True, help="bandwidth of the link the KV is restored over")),
+         ("--goal", dict(required=True, help="latency or memory")),
+         ("--target", dict(default=None, help="the measured target (default: the embedded model)")),
+         ("--target-tier", dict(default=None, help="its weight tier (default: the newest measurement's)")),
+         JSON_ARG, db="DuckDB file with the KV measurements")
+def cmd_tune(a: argparse.Namespace) -> int:
+    from engine.service import format_tune, tune_kv
+
+    out = tune_kv(a.db, a.target, a.target_tier, a.context, a.link_gbit_s, a.goal)
+    print(json.dumps(out) if a.json else format_tune(out))
     return 0
 
 

@@ -1,4 +1,4 @@
-"""Measured step costs (docs/architecture.md, "Costs"): per device, pair and target tier, the
+"""Measured step costs (docs/architecture.md, "Costs"): per device, pair, target tier and KV tier, the
 draft's ms per drafted token and the target's verify ms for k = 0..8 drafted tokens, at a few
 context lengths. Controllers weigh draft lengths with it; the what-if replay turns steps into
 seconds with it. Plain Python: engine/profiling.py measures it with the models."""
@@ -27,7 +27,7 @@ class CostTable:
     buckets: list[int]
     draft_ms: list[float]
     verify_ms: list[list[float]]
-    key: dict = field(default_factory=dict)  # device, target, draft, target_tier, draft_tier
+    key: dict = field(default_factory=dict)  # device, target, draft, target_tier, draft_tier, kv_tier
     # Live step time / this table's, per k (see `calibrate`); None: the bare forwards as measured.
     step_factor: list[float] | None = None
     # The prefill: reading `bucket` prompt tokens into an empty cache, per bucket, and filling a
@@ -87,6 +87,7 @@ class CostTable:
             raise ValueError("no cost rows: run `python -m engine costs` for this pair and tier first")
         rows = sorted(rows, key=lambda r: r["ctx_bucket"])
         key = {k: rows[0][k] for k in ("device", "target", "draft", "target_tier", "draft_tier")}
+        key["kv_tier"] = rows[0]["kv_tier"] if isinstance(rows[0].get("kv_tier"), str) else "native"
         factor = rows[0].get("step_factor")
         per_bucket = lambda name: ([float(r[name]) for r in rows]  # noqa: E731
                                    if all(_given(r.get(name)) for r in rows) else None)

@@ -6,7 +6,7 @@ import time
 
 import torch
 
-from engine.kv import new_cache
+from engine.kv.cache import new_cache
 
 
 def forward_logits(model: torch.nn.Module, ids: list[int], cache, keep: int, vocab: int | None = None,

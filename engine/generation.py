@@ -10,6 +10,9 @@ from typing import Iterator
 import torch
 
 from engine.forward import WallClock
+from engine.kv.cache import held_bytes_per_token
+from engine.kv.calibration import CodecKit
+from engine.kv.offload import Offloaded, SlowTier
 from engine.models import KV_TIERS, ModelPair
 from engine.oracles.model import DraftModelProposer, TargetVerifier
 from engine.policies import Policy
@@ -25,7 +28,7 @@ class GenConfig:
     temperature: float = 0.0  # 0 = greedy; > 0 = exact speculative sampling
     top_p: float = 1.0  # nucleus filter applied to both q and p before acceptance
     seed: int | None = None  # sampling seed; drawn (and recorded with the run) when None
-    kv_tier: str = "native"  # KV cache tier (only `native` until the KV codec lands)
+    kv_tier: str = "native"  # the target's KV cache tier: native, fp8, int8 (engine/kv/tiers.py)
     reuse: bool = True  # take the longest stored prefix from the prefix cache (when a run has one)
 
     def validate(self) -> None:
@@ -36,7 +39,7 @@ class GenConfig:
         if not 0 < self.top_p <= 1:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
         if self.kv_tier not in KV_TIERS:
-            raise ValueError(f"unknown KV tier {self.kv_tier!r}; available: {', '.join(KV_TIERS)}")
+            raise ValueError(f"unknown KV tier {self.kv_tier!r}; known: {', '.join(KV_TIERS)}")
 
 
 def encode_prompt(tokenizer, prompt: str, chat: bool) -> list[int]:
@@ -70,6 +73,8 @@ class Generation:
     token_ids: list[int] = field(init=False, default_factory=list)
     records: list[StepRecord] = field(init=False, default_factory=list)
     summary: RunSummary | None = field(init=False, default=None)
+    kv_bytes_per_token: int | None = field(init=False, default=None)  # what the target's cache held, per token
+    _verifier: TargetVerifier | None = field(init=False, default=None, repr=False)
 
     def __post_init__(self) -> None:
         self.cfg.validate()
@@ -87,7 +92,8 @@ class Generation:
         pair, cfg, n_prompt = self.pair, self.cfg, len(self.prompt_ids)
         sampler = Sampler(cfg.temperature, cfg.top_p, self.seed, pair.device)
         prefix = self.prefix if cfg.reuse else None
-        verifier = TargetVerifier(pair, self.prompt_ids, sampler, prefix)
+        verifier = TargetVerifier(pair, self.prompt_ids, sampler, prefix, cfg.kv_tier)  # the draft's cache stays native
+        self._verifier = verifier
         proposer = DraftModelProposer(pair, self.prompt_ids, sampler, lambda: verifier.hit)
         budget = min(cfg.max_new_tokens, pair.max_context - n_prompt)
         clock = WallClock(pair.device)
@@ -98,10 +104,20 @@ class Generation:
                 self.token_ids.extend(rec.token_ids)
                 yield rec
             wall_ms = clock() - t_start
+            verifier.ensure_cache()  # paused after its last token: the cache is still away
+            self.kv_bytes_per_token = held_bytes_per_token(verifier.cache)
             if prefix is not None:  # after the clock: storing is for the next request
                 verifier.remember(proposer.cache)
         stop = "eos" if verifier.ended else "max_new_tokens" if budget == cfg.max_new_tokens else "context"
         self.summary = summarize(self.records, wall_ms, stop, verifier.hit.kind)
+
+    def offload(self, slow: SlowTier, window: int, kit: CodecKit | None = None) -> Offloaded:
+        """Pauses a generation between two steps (after a record was yielded): its target KV
+        moves to `slow` window by window, coded with `kit` if given, and is restored, pipelined,
+        when iteration resumes. Greedy output is the same as an uninterrupted run's."""
+        if self._verifier is None or self._verifier.cache is None or self.summary is not None:
+            raise ValueError("only a running generation, paused between steps, can offload its KV")
+        return self._verifier.offload(slow, window, kit, name=f"gen{id(self):x}")
 
     def run(self) -> "Generation":
         """Run to the end without streaming."""

@@ -17,11 +17,18 @@ took (the policy), or a live run would not replay its trace. Rather than read ro
 forward per token), `make_row_invariant` gives it a forward whose rows never depend on the batch:
 linears see row counts padded to a multiple of 2 or 4 (the kernels round every row alike then),
 and attention runs in float64. A load-time probe reads the same tokens in several chunkings and
-keeps the change only if every chunking agrees bit for bit."""
+keeps the change only if every chunking agrees bit for bit.
+
+A lossy KV tier (engine/kv/tiers.py) gives the target that duty too: a one-ULP change in a key
+can move it across a quantization step, a change the tier then magnifies (at fp32, where verify
+is not batch-invariant, fp8 outputs left plain decoding's after a few dozen tokens). So
+`make_reads_row_invariant` gives the target the same row-invariant forward, switched on only
+inside `row_invariant_reads()` (the verifier's reads at a lossy KV tier): HF's own code otherwise."""
 from __future__ import annotations
 
 import contextlib
 import contextvars
+import threading
 import types
 from typing import Iterator
 
@@ -29,11 +36,12 @@ import torch
 import torch.nn.functional as F
 
 from engine.forward import forward_logits
-from engine.kv import new_cache
+from engine.kv.cache import new_cache
 
 NAME = "speclab_sdpa"
 PROBE_ROWS, PROBE_TRIALS = 9, 4  # a verify forward has at most K_MAX + 1 = 9 rows
 _VERIFYING = contextvars.ContextVar("speclab_verifying", default=False)
+_ROW_INVARIANT_READS = contextvars.ContextVar("speclab_row_invariant_reads", default=False)
 
 
 @contextlib.contextmanager
@@ -59,6 +67,8 @@ def rowwise_sdpa(module, query, key, value, attention_mask, **kwargs):
     """query: [B, H, q, D]; key/value: [B, Hkv, past + q, D] → ([B, q, H, D], None)."""
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
+    if _ROW_INVARIANT_READS.get():  # a target made row-invariant for a lossy KV tier
+        return rowinv_attention(module, query, key, value, attention_mask, **kwargs)
     q_len, kv_len = query.shape[2], key.shape[2]
     if not _VERIFYING.get() or q_len == 1 or kv_len == q_len:
         return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
@@ -162,6 +172,99 @@ def _padded_linear(self: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
     if m % multiple:  # repeat the last row: the kernel sees a row count it rounds alike
         rows = torch.cat([rows, rows[-1:].expand(multiple - m % multiple, -1)])
     return F.linear(rows, self.weight, self.bias)[:m].reshape(*x.shape[:-1], -1)
+
+
+def _target_reads_agree(model) -> bool:
+    """Does the target, read as a verifier reads it (logits of every token read), reach the same
+    cache and logits reading PROBE_ROWS tokens one at a time, all at once, and in uneven chunks?"""
+    gen = torch.Generator().manual_seed(0)
+    vocab = model.config.get_text_config().vocab_size
+    ids = torch.randint(0, vocab, (PROBE_PROMPT + PROBE_ROWS,), generator=gen).tolist()
+    results = []
+    for chunks in ([1] * PROBE_ROWS, [PROBE_ROWS], [2, 3, 4]):
+        _, cache = forward_logits(model, ids[:PROBE_PROMPT], new_cache(model), 1)
+        pos, logits = PROBE_PROMPT, []
+        for n in chunks:
+            lg, cache = forward_logits(model, ids[pos : pos + n], cache, n)
+            logits.append(lg)
+            pos += n
+        results.append((torch.cat(logits), [t for layer in cache.layers for t in (layer.keys, layer.values)]))
+    (ref_logits, ref_kv), rest = results[0], results[1:]
+    return all(torch.equal(ref_logits, lg) and all(map(torch.equal, ref_kv, kv)) for lg, kv in rest)
+
+
+@contextlib.contextmanager
+def row_invariant_reads() -> Iterator[None]:
+    """Target forwards inside run row-invariant (where `make_reads_row_invariant` took)."""
+    token = _ROW_INVARIANT_READS.set(True)
+    try:
+        yield
+    finally:
+        _ROW_INVARIANT_READS.reset(token)
+
+
+def _padded_rows_agree(linear: torch.nn.Linear) -> bool:
+    """Does the padded linear give each of PROBE_ROWS rows alike alone, all together and in chunks?"""
+    gen = torch.Generator(device=linear.weight.device).manual_seed(0)
+    x = torch.randn(PROBE_ROWS, linear.weight.shape[1], generator=gen, device=linear.weight.device).to(linear.weight.dtype)
+    full = _padded_linear(linear, x)
+    for chunks in ([1] * PROBE_ROWS, [2, 3, 4]):
+        cuts = torch.split(x, chunks)
+        if not torch.equal(torch.cat([_padded_linear(linear, c.clone()) for c in cuts]), full):
+            return False
+    return True
+
+
+_PROBE_LOCK = threading.Lock()
+
+
+def reads_row_invariant(model: torch.nn.Module) -> bool:
+    """Whether `model` (a target) reads row-invariant inside `row_invariant_reads()`: probed (and
+    patched) at the first ask, the first lossy-KV-tier run, so pairs that never leave the native
+    tier pay nothing (the probe takes ~6 s for the embedded fp32 target on 2 cores)."""
+    with _PROBE_LOCK:
+        verdict = getattr(model, "_speclab_reads_row_invariant", None)
+        if verdict is None:
+            verdict = make_reads_row_invariant(model)
+            model._speclab_reads_row_invariant = verdict
+        return verdict
+
+
+def _gated_linear(self: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
+    if _ROW_INVARIANT_READS.get():
+        return _padded_linear(self, x)
+    return self.speclab_plain_forward(x)  # HF's, or the verify's row-by-row one (make_verify_exact)
+
+
+@torch.inference_mode()
+def make_reads_row_invariant(model: torch.nn.Module) -> bool:
+    """Gives `model` (a target) the draft's row-invariant forward inside `row_invariant_reads()`,
+    every linear (the LM head too: verify logits are then plain decoding's), if a probe under it
+    reading the verify's PROBE_ROWS tokens in several chunkings agrees bit for bit; otherwise
+    leaves it as it was and returns False (other architectures, quantized layers)."""
+    linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
+    if model.config.model_type not in ROW_INVARIANT_TYPES or any(type(m) is not torch.nn.Linear for m in linears):
+        return False
+    before = [m.__dict__.get("forward") for m in linears]
+    for m in linears:
+        m.speclab_plain_forward = m.forward
+        m.forward = types.MethodType(_gated_linear, m)
+    shapes = {(tuple(m.weight.shape), m.weight.dtype, m.bias is not None): m for m in linears}.values()
+    for multiple in ROW_MULTIPLES:
+        for m in linears:
+            m.speclab_row_multiple = multiple
+        if not all(_padded_rows_agree(m) for m in shapes):  # a cheap verdict first, per linear shape
+            continue
+        with row_invariant_reads():
+            if _target_reads_agree(model):
+                return True
+    for m, forward in zip(linears, before):
+        del m.speclab_plain_forward, m.speclab_row_multiple
+        if forward is None:
+            del m.forward
+        else:
+            m.forward = forward
+    return False
 
 
 def _reads_agree(model) -> bool:

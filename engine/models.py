@@ -15,6 +15,7 @@ import torch
 from engine import draft as draftlib
 from engine import invariance
 from engine.common import one_line
+from engine.kv.tiers import KV_TIERS  # noqa: F401  (the KV tiers: native, fp8, int8; re-exported)
 
 EMBEDDED = "embedded"  # the name users type for the default pair
 EMBEDDED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -23,7 +24,6 @@ FALLBACK_DRAFT_TIER = "nf4"  # a target without a draft of its own is drafted by
 TIERS = ("fp32", "bf16", "fp16", "int8", "nf4")
 FLOAT_TIERS = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}  # the rest: bitsandbytes
 EXACT_VERIFY_TIERS = ("bf16", "fp16")  # where batched verify is made batch-invariant by default
-KV_TIERS = ("native",)  # fp8/int8 KV tiers arrive with the KV codec issue
 
 
 @dataclass
@@ -42,6 +42,13 @@ class ModelPair:
     exact_verify: bool = False  # verify forwards run batch-invariant (engine/invariance.py)
     rowwise_linears: int = 0  # target linears found row-variant and run row by row in verify
     draft_row_invariant: bool = False  # the draft reads several tokens at once (invariance.make_row_invariant)
+
+    @property
+    def target_row_invariant(self) -> bool:
+        """At a lossy KV tier the target reads row-invariant (invariance.reads_row_invariant,
+        probed at the first ask): speculative output then equals plain decoding at that tier
+        whatever the verify's numerics."""
+        return invariance.reads_row_invariant(self.target)
 
 
 def _quiet() -> None:

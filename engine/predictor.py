@@ -18,9 +18,17 @@ from engine.records import DecodeState, StepRecord
 # whose draft is known before this step drafts (no leakage of the answer).
 FEATURES = ("mean_entropy", "mean_confidence", "max_entropy", "min_confidence", "compression", "gamma")
 SIGNALS = FEATURES[:4]
+# What predictors trained on our own traces and runs read: the paper's six and the KV tier's
+# code (a lossy KV cache changes what the target accepts). A predictor's meta lists the features
+# it was fitted on, and its rows are built by name, so the six-feature ones (the paper's protocol
+# on the imported SpecKV file, controllers stored before KV tiers) keep loading and predicting.
+FEATURES_KV = FEATURES + ("kv_tier",)
 # The paper's encoding of the target's weight compression (fp16 0, int8 1, nf4 2); our float
 # tiers are all uncompressed weights.
 COMPRESSION = {"fp32": 0, "bf16": 0, "fp16": 0, "int8": 1, "nf4": 2}
+# The KV tiers (engine/kv/tiers.py's KV_TIERS, in its order, which a test checks; named here so
+# the controller stays torch-free), coded by how lossy they are.
+KV_CODES = {"native": 0, "fp8": 1, "int8": 2}
 CANDIDATES = (0, 1, 2, 4, 6, 8)  # the draft lengths a controller weighs; 0 = plain decoding
 PAPER_CANDIDATES = (2, 4, 6, 8)  # SpecKV's γ grid
 
@@ -31,9 +39,17 @@ def compression_code(tier: str) -> int:
     return COMPRESSION[tier]
 
 
+def kv_code(kv_tier: str | None) -> int:
+    """The KV tier's feature value (None, a row stored before KV tiers: native)."""
+    kv_tier = kv_tier if isinstance(kv_tier, str) else "native"
+    if kv_tier not in KV_CODES:
+        raise ValueError(f"unknown KV tier {kv_tier!r}; known: {', '.join(KV_CODES)}")
+    return KV_CODES[kv_tier]
+
+
 @dataclass
 class Predictor:
-    """Predicted acceptance rate (accepted / γ) from rows of FEATURES: [N, 6] → [N] in [0, 1]."""
+    """Predicted acceptance rate (accepted / γ) from rows of its `features`: [N, F] → [N] in [0, 1]."""
 
     kind: str  # "mlp" | "rf"
     arrays: dict[str, np.ndarray]
@@ -41,6 +57,11 @@ class Predictor:
 
     def predict(self, x: np.ndarray) -> np.ndarray:
         return np.clip(_PREDICT[self.kind](self.arrays, np.asarray(x, dtype=np.float64)), 0.0, 1.0)
+
+    @property
+    def features(self) -> tuple[str, ...]:
+        """The inputs it was fitted on, in order (meta "features"; the paper's six if unlisted)."""
+        return tuple(self.meta.get("features") or FEATURES)
 
     @property
     def defaults(self) -> np.ndarray:
@@ -93,12 +114,19 @@ def signals_before(state: DecodeState, defaults: np.ndarray, rec: StepRecord | N
     return np.array([rec.mean_entropy, rec.mean_confidence, rec.max_entropy, rec.min_confidence])
 
 
-def feature_rows(signals: np.ndarray, tier: str, gammas: tuple[int, ...]) -> np.ndarray:
-    """One row per candidate γ: [len(gammas), 6]."""
-    x = np.empty((len(gammas), len(FEATURES)))
-    x[:, :4] = signals
-    x[:, 4] = compression_code(tier)
-    x[:, 5] = gammas
+def feature_rows(signals: np.ndarray, tier: str, gammas: tuple[int, ...], kv_tier: str = "native",
+                 features: tuple[str, ...] = FEATURES) -> np.ndarray:
+    """One row per candidate γ, with the columns `features` names (a predictor's own):
+    [len(gammas), len(features)]."""
+    columns = dict(zip(SIGNALS, np.asarray(signals, dtype=np.float64)), compression=compression_code(tier),
+                   gamma=np.asarray(gammas, dtype=np.float64), kv_tier=kv_code(kv_tier))
+    unknown = [f for f in features if f not in columns]
+    if unknown:
+        raise ValueError(f"the controller reads feature(s) {', '.join(unknown)} this SpecLab does not know; "
+                         f"known: {', '.join(columns)}")
+    x = np.empty((len(gammas), len(features)))
+    for i, f in enumerate(features):
+        x[:, i] = columns[f]
     return x
 
 

@@ -1,15 +1,17 @@
 """Retraining the SpecKV controller from the store (docs/architecture.md, "Policies and controllers").
 
 Examples come from one of three sources, each row [mean H, mean c, H_max, c_min, compression, γ]
-→ acceptance rate (accepted / γ):
+(and, from our own data, the KV tier's code: predictor.FEATURES_KV) → acceptance rate (accepted / γ):
 - `speckv`: imported SpecKV step CSVs. The features are the step's own, as the paper used them
-  (they describe the very tokens whose acceptance is predicted: leakage, kept for comparison).
+  (they describe the very tokens whose acceptance is predicted: leakage, kept for comparison);
+  the paper's six, its runs all at the native KV tier.
 - `runs`: our live runs. The features are the previous drafting step's, known before drafting.
 - `traces`: our acceptance traces, walked as `fixed:γ` for every γ in the grid, features from the
   previous step of that walk: many γ per prompt from one trace.
 
 Splits: `paper` (80/20 over rows, stratified by tier × task, sklearn's seed 42: the paper's
-protocol) or `prompt` (80/20 over prompts, stratified the same way: no prompt on both sides).
+protocol) or `prompt` (80/20 over prompts, stratified the same way: no prompt on both sides); a
+KV tier off native counts as a tier of its own (`fp32+fp8`).
 The MLP is sklearn's MLPRegressor(16), stored as its weight arrays; the 100-tree forest is kept
 as the reference."""
 from __future__ import annotations
@@ -22,7 +24,8 @@ import pandas as pd
 
 from engine.common import median_ms
 from engine.policies.fixed import FixedPolicy
-from engine.predictor import FEATURES, PAPER_CANDIDATES, Predictor, compression_code, tokens_from_rate
+from engine.predictor import (FEATURES, FEATURES_KV, PAPER_CANDIDATES, Predictor, compression_code, kv_code,
+                              tokens_from_rate)
 from engine.records import DecodeState
 from engine.whatif import replay
 
@@ -31,10 +34,17 @@ TRACE_GAMMAS = (1, 2, 4, 6, 8)
 
 @dataclass
 class Examples:
-    x: np.ndarray  # [N, 6] in FEATURES order
+    x: np.ndarray  # [N, F] in `features` order
     y: np.ndarray  # [N] acceptance rate
     group: np.ndarray  # [N] the prompt's text: never on both sides under `prompt`, at any tier
-    stratum: np.ndarray  # [N] "tier/task"
+    stratum: np.ndarray  # [N] "tier/task" (tier "fp32+fp8" off the native KV tier)
+    features: tuple[str, ...] = FEATURES
+
+
+def _setting(target_tier: str, kv_tier) -> str:
+    """A stratum's tier part: the weight tier, and the KV tier when it is not native."""
+    code = kv_code(kv_tier)
+    return target_tier if code == 0 else f"{target_tier}+{kv_tier}"
 
 
 def from_speckv_steps(steps: pd.DataFrame, runs: pd.DataFrame) -> Examples:
@@ -57,11 +67,12 @@ def from_live_steps(steps: pd.DataFrame, runs: pd.DataFrame) -> Examples:
         for r in st.sort_values("step").itertuples():
             if r.k_drafted > 0:
                 if prev is not None:
-                    rows.append([*prev, compression_code(r.target_tier), r.k_drafted])
+                    kv = getattr(r, "kv_tier", None)
+                    rows.append([*prev, compression_code(r.target_tier), r.k_drafted, kv_code(kv)])
                     ys.append(r.accepted / r.k_drafted)
-                    groups.append(prompts[run_id]), strata.append(f"{r.target_tier}/{tasks[run_id]}")
+                    groups.append(prompts[run_id]), strata.append(f"{_setting(r.target_tier, kv)}/{tasks[run_id]}")
                 prev = (r.mean_entropy, r.mean_confidence, r.max_entropy, r.min_confidence)
-    return _examples(rows, ys, groups, strata)
+    return _examples(rows, ys, groups, strata, FEATURES_KV)
 
 
 def from_traces(traces: pd.DataFrame, positions: pd.DataFrame, gammas: tuple[int, ...] = TRACE_GAMMAS) -> Examples:
@@ -75,7 +86,8 @@ def from_traces(traces: pd.DataFrame, positions: pd.DataFrame, gammas: tuple[int
     for t in traces.to_dict("records"):
         trace_rows = by_trace.get(t["trace_id"], [])
         at = {int(r["position"]): int(r["accept_len"]) for r in trace_rows}
-        comp, stratum = compression_code(t["target_tier"]), f"{t['target_tier']}/{t['task'] or '-'}"
+        comp, kv = compression_code(t["target_tier"]), kv_code(t.get("kv_tier"))
+        stratum = f"{_setting(t['target_tier'], t.get('kv_tier'))}/{t['task'] or '-'}"
         for g in gammas:
             prev = None
             for r in replay(FixedPolicy(g), t, trace_rows).steps[1:]:
@@ -84,16 +96,17 @@ def from_traces(traces: pd.DataFrame, positions: pd.DataFrame, gammas: tuple[int
                 if prev is not None:
                     left = t["max_new_tokens"] - r.position - 1
                     for c in sorted({min(c, left) for c in gammas}):
-                        rows.append([*prev, comp, c]), ys.append(min(at[r.position], c) / c)
+                        rows.append([*prev, comp, c, kv]), ys.append(min(at[r.position], c) / c)
                         groups.append(t["prompt"]), strata.append(stratum)
                 prev = (r.mean_entropy, r.mean_confidence, r.max_entropy, r.min_confidence)
-    return _examples(rows, ys, groups, strata)
+    return _examples(rows, ys, groups, strata, FEATURES_KV)
 
 
-def _examples(rows, ys, groups, strata) -> Examples:
+def _examples(rows, ys, groups, strata, features: tuple[str, ...]) -> Examples:
     if not rows:
         raise ValueError("no training examples: the selected runs/traces hold no drafting steps")
-    return Examples(np.asarray(rows, np.float64), np.asarray(ys, np.float64), np.asarray(groups), np.asarray(strata))
+    return Examples(np.asarray(rows, np.float64), np.asarray(ys, np.float64), np.asarray(groups), np.asarray(strata),
+                    features)
 
 
 # -- splits ----------------------------------------------------------------------------------------
@@ -128,16 +141,18 @@ def split(ex: Examples, protocol: str, seed: int = 42) -> tuple[np.ndarray, np.n
 
 
 # -- models ----------------------------------------------------------------------------------------
-def fit_mlp(x: np.ndarray, y: np.ndarray, seed: int = 42) -> Predictor:
+def fit_mlp(x: np.ndarray, y: np.ndarray, seed: int = 42, features: tuple[str, ...] | None = None) -> Predictor:
+    """`features`: the columns of x (default by its width: the paper's six, or those and the KV tier)."""
     from sklearn.neural_network import MLPRegressor
 
     # The paper's model: one hidden layer of 16, sklearn defaults otherwise, raw features.
     m = MLPRegressor(hidden_layer_sizes=(16,), max_iter=500, random_state=seed).fit(x, y)
     arrays = {f"w{i}": w for i, w in enumerate(m.coefs_)} | {f"b{i}": b for i, b in enumerate(m.intercepts_)}
-    return Predictor("mlp", arrays, _meta(x))
+    return Predictor("mlp", arrays, _meta(x, features))
 
 
-def fit_forest(x: np.ndarray, y: np.ndarray, seed: int = 42, trees: int = 100) -> Predictor:
+def fit_forest(x: np.ndarray, y: np.ndarray, seed: int = 42, trees: int = 100,
+               features: tuple[str, ...] | None = None) -> Predictor:
     from sklearn.ensemble import RandomForestRegressor
 
     f = RandomForestRegressor(n_estimators=trees, random_state=seed, n_jobs=1).fit(x, y)
@@ -156,11 +171,15 @@ def fit_forest(x: np.ndarray, y: np.ndarray, seed: int = 42, trees: int = 100) -
         value=padded(lambda t: t.value[:, 0, 0], 0.0, np.float64),
         depth=np.array(max(e.tree_.max_depth for e in f.estimators_)),
     )
-    return Predictor("rf", arrays, _meta(x))
+    return Predictor("rf", arrays, _meta(x, features))
 
 
-def _meta(x: np.ndarray) -> dict:
-    return dict(features=list(FEATURES), signal_defaults=np.median(x[:, :4], axis=0).tolist())
+def _meta(x: np.ndarray, features: tuple[str, ...] | None) -> dict:
+    if features is None:
+        features = {len(FEATURES): FEATURES, len(FEATURES_KV): FEATURES_KV}.get(x.shape[1])
+    if features is None or len(features) != x.shape[1]:
+        raise ValueError(f"{x.shape[1]} feature columns, but features {features} name {len(features or ())}")
+    return dict(features=list(features), signal_defaults=np.median(x[:, :4], axis=0).tolist())
 
 
 def scores(pred: Predictor, x: np.ndarray, y: np.ndarray) -> dict:
@@ -173,9 +192,14 @@ def predictor_scored(pred: Predictor, x: np.ndarray, tiers: np.ndarray) -> dict:
     """SpecKV's own evaluation: on each test row, expected tokens â·γ + 1 by the predictor, for
     its γ choice vs γ = 4 and vs the best fixed γ per tier (also judged by the predictor).
     Self-scored: it says what the predictor believes, not what a run would do."""
-    sig = x[:, :4]
-    est = {g: tokens_from_rate(g, pred.predict(np.column_stack([sig, x[:, 4], np.full(len(x), g)])))
-           for g in PAPER_CANDIDATES}
+    gamma = pred.features.index("gamma")
+
+    def at(g: int) -> np.ndarray:  # the test rows with γ = g
+        xg = np.array(x, dtype=np.float64)
+        xg[:, gamma] = g
+        return xg
+
+    est = {g: tokens_from_rate(g, pred.predict(at(g))) for g in PAPER_CANDIDATES}
     table = np.column_stack([est[g] for g in PAPER_CANDIDATES])  # [N, 4]
     chosen = table.max(axis=1)
     best_fixed = np.zeros(len(x))
@@ -224,7 +248,7 @@ def train(ex: Examples, protocol: str, seed: int = 42) -> tuple[Predictor, Predi
     tr, te = split(ex, protocol, seed)
     if len(te) == 0 or len(tr) == 0:
         raise ValueError(f"the {protocol} split left an empty side ({len(tr)} train, {len(te)} test rows): add data")
-    mlp, rf = fit_mlp(ex.x[tr], ex.y[tr], seed), fit_forest(ex.x[tr], ex.y[tr], seed)
+    mlp, rf = fit_mlp(ex.x[tr], ex.y[tr], seed, ex.features), fit_forest(ex.x[tr], ex.y[tr], seed, features=ex.features)
     m, r = scores(mlp, ex.x[te], ex.y[te]), scores(rf, ex.x[te], ex.y[te])
     metrics = dict(n_train=int(len(tr)), n_test=int(len(te)), test_corr=m["corr"], test_mse=m["mse"],
                    rf_test_corr=r["corr"], rf_test_mse=r["mse"], test_rows=te)

@@ -20,6 +20,7 @@ class Replay:
     prompt: str
     task: str | None
     target_tier: str
+    kv_tier: str  # the target's KV tier the trace was made at
     steps: list[StepRecord]  # step 0 (the prefill) first, as a live run records them
     n_tokens: int
     decode_ms: float | None  # Σ step costs after the prefill (None without a cost table)
@@ -60,39 +61,47 @@ class _SelfScored:
         return getattr(self.policy, name)
 
 
-def replay(policy: Policy, trace: dict, positions: list[dict], costs: CostTable | None = None,
-           kv_tier: str = "native") -> Replay:
-    """`trace`: a `traces` row (token_ids, prompt_ids, max_new_tokens, target_tier, prompt, task);
-    `positions`: its `trace_positions` rows, for positions 1..N-1 in order."""
+def replay(policy: Policy, trace: dict, positions: list[dict], costs: CostTable | None = None) -> Replay:
+    """`trace`: a `traces` row (token_ids, prompt_ids, max_new_tokens, target_tier, kv_tier,
+    prompt, task); `positions`: its `trace_positions` rows, for positions 1..N-1 in order. The
+    steps are recorded at the trace's tiers (a row without a KV tier was made at native)."""
     out, n_prompt = list(trace["token_ids"]), len(trace["prompt_ids"])
     at = {int(r["position"]): r for r in positions}
     assert all(p in at for p in range(1, len(out))), "trace positions are incomplete"
     clock, scored = ModelledClock(), _SelfScored(policy)
+    kv_tier = trace.get("kv_tier") if isinstance(trace.get("kv_tier"), str) else "native"
     run = Setting(n_prompt, int(trace["max_new_tokens"]), trace["target_tier"], kv_tier)
     steps = list(decode(TraceProposer(at, n_prompt, costs, clock), TraceVerifier(out, at, n_prompt, costs, clock), scored, run, clock))
     guessed = [(g, r.emitted) for g, r in zip(scored.guesses, steps[1:]) if g is not None]
-    return Replay(getattr(policy, "name", "?"), trace.get("prompt", ""), trace.get("task"), run.target_tier, steps,
-                  len(out), clock.now if costs else None,
+    return Replay(getattr(policy, "name", "?"), trace.get("prompt", ""), trace.get("task"), run.target_tier, run.kv_tier,
+                  steps, len(out), clock.now if costs else None,
                   sum(g for g, _ in guessed) if guessed else None, sum(e for _, e in guessed) or None)
 
 
+def tier_label(target_tier: str, kv_tier: str | None) -> str:
+    """One name for a (weight tier, KV tier) setting in tables: `fp32`, or `fp32/fp8` off the
+    native KV tier."""
+    return target_tier if kv_tier in (None, "native") else f"{target_tier}/{kv_tier}"
+
+
 def summarize(replays: list[Replay], by: str = "task") -> list[dict]:
-    """One row per (tier, policy, task or prompt) plus "all": tokens, steps, modelled tokens/s."""
+    """One row per (tier, KV tier, policy, task or prompt) plus "all": tokens, steps, modelled tokens/s."""
     if by not in ("task", "prompt"):
         raise ValueError(f"summarize by task or prompt, not {by!r}")
     groups: dict[tuple, list[Replay]] = {}
     for r in replays:
         for key in ((r.task or "-") if by == "task" else r.prompt, "all"):
-            groups.setdefault((r.target_tier, r.policy, key), []).append(r)
+            groups.setdefault((r.target_tier, r.kv_tier, r.policy, key), []).append(r)
     rows = []
-    for (tier, pol, task), rs in sorted(groups.items()):
+    for (tier, kv, pol, task), rs in sorted(groups.items()):
         tokens = sum(r.n_tokens - 1 for r in rs)
         steps = sum(r.n_steps for r in rs)
         ms = sum(r.decode_ms or 0.0 for r in rs)
         pred = [r for r in rs if r.predicted_tokens is not None]
         realized = sum(r.realized_tokens_scored for r in pred)
         rows.append(dict(
-            target_tier=tier, policy=pol, **{by: task}, prompts=len(rs), tokens=tokens, steps=steps,
+            target_tier=tier, kv_tier=kv, tier=tier_label(tier, kv), policy=pol, **{by: task}, prompts=len(rs),
+            tokens=tokens, steps=steps,
             tokens_per_step=tokens / steps if steps else 0.0,
             tokens_per_s=tokens / (ms / 1e3) if ms else None,
             # SpecKV scores its policy with its own predictor; the gap says how far that drifts.

@@ -10,7 +10,7 @@ import plotly.graph_objects as go
 import streamlit as st
 from plotly.subplots import make_subplots
 
-from engine.models import TIERS
+from engine.models import KV_TIERS, TIERS
 from engine.service import context_for
 from engine.policies import POLICY_EXAMPLES, make_policy, parse_policy
 from engine.generation import GenConfig, Generation, encode_prompt, run_row
@@ -113,18 +113,21 @@ def inputs() -> tuple[bool, dict]:
         seed = c4.number_input("Seed", min_value=0, max_value=2**31 - 1, value=None, step=1,
                                key="live_seed", placeholder="random",
                                help="Sampling seed; empty draws one (it is recorded with the run)")
-        c1, c2, c3 = st.columns(3)
+        c1, c2, c3, c4 = st.columns(4)
         chat = c1.checkbox("Chat template", value=True, key="live_chat")
         reuse = c2.checkbox("Reuse prefix KV", value=True, key="live_reuse",
                             help="Take the longest stored prefix of this prompt from earlier requests' KV "
                                  "(RAKV-ASD's cache); off recomputes the whole prompt")
         budget = c3.number_input("Prefix cache budget (MiB)", min_value=1, max_value=65536, value=512, step=64,
                                  key="live_prefix_budget", help="Least recently used entries leave first")
+        kv_tier = c4.selectbox("KV tier", KV_TIERS, key="live_kv_tier",
+                               help="How the target's KV cache stores each token: native (the model's dtype), "
+                                    "fp8 (e4m3 × a power of two per token and head), int8 (× a bf16 scale)")
         go_ = st.form_submit_button("Generate", type="primary", key="live_generate")
     return go_, dict(
         prompt=prompt, chat=chat, policy=(typed or "").strip() or chosen, tier=tier,
         max_new_tokens=int(max_new), temperature=float(temperature), top_p=float(top_p),
-        seed=None if seed is None else int(seed), reuse=bool(reuse), budget_mib=int(budget),
+        seed=None if seed is None else int(seed), reuse=bool(reuse), budget_mib=int(budget), kv_tier=kv_tier,
     )
 
 
@@ -143,10 +146,10 @@ def generate(inp: dict, out_ph, chart_ph) -> dict | None:
         parse_policy(inp["policy"])  # fail fast on a bad spec, before loading any model
         pair = get_pair(s, inp["tier"])
         with st.spinner("Reading the cost table and controller (measured once when missing)…"):
-            ctx = context_for(s.db, pair, inp["policy"])  # speckv/rakv need them
+            ctx = context_for(s.db, pair, inp["policy"], kv_tier=inp["kv_tier"])  # speckv/rakv need them
         ids = encode_prompt(pair.tokenizer, inp["prompt"], chat=inp["chat"])
         cfg = GenConfig(max_new_tokens=inp["max_new_tokens"], temperature=inp["temperature"],
-                        top_p=inp["top_p"], seed=inp["seed"], reuse=inp["reuse"])
+                        top_p=inp["top_p"], seed=inp["seed"], reuse=inp["reuse"], kv_tier=inp["kv_tier"])
         prefix = get_prefix_cache(s, inp["tier"], inp["budget_mib"])
         gen = Generation(pair, ids, make_policy(inp["policy"], ctx), cfg, prefix)
     except Exception as e:  # noqa: BLE001 - one line in the UI, never a traceback
@@ -185,7 +188,8 @@ def generate(inp: dict, out_ph, chart_ph) -> dict | None:
         saved=saved,
         ui_ms=ui_s * 1e3,
         prefix=prefix.stats(),
-        label=(f"{pair.target_name} ({pair.target_tier}) ← {pair.draft_name} ({pair.draft_tier})"
+        label=(f"{pair.target_name} ({pair.target_tier}, KV {inp['kv_tier']} "
+               f"{gen.kv_bytes_per_token / 1024:.1f} KiB/token) ← {pair.draft_name} ({pair.draft_tier})"
                f" · {inp['policy']} · {pair.device} · seed {gen.seed}"),
     )
 

@@ -10,7 +10,7 @@ import os
 import pandas as pd
 import streamlit as st
 
-from engine.service import calibrate_all, replay_rows, retrain
+from engine.service import calibrate_all, replay_rows, retrain, tier_label
 from pages.common import settings, show_error
 from store import Store
 
@@ -30,11 +30,12 @@ def _overview(db: str) -> tuple[pd.DataFrame, pd.DataFrame] | None:
 
 
 def _side_by_side(rows: list[dict]) -> pd.DataFrame:
-    """Policies × tiers: modelled tokens/s (tokens/step beside it), over all traced prompts."""
+    """Policies × tiers (`fp32`, `fp32/fp8` off the native KV tier): modelled tokens/s
+    (tokens/step beside it), over all traced prompts."""
     df = pd.DataFrame([r for r in rows if r["task"] == "all"])
     df["cell"] = [f"{t:.1f} tok/s · {s:.2f} tok/step" if t else f"{s:.2f} tok/step"
                   for t, s in zip(df["tokens_per_s"], df["tokens_per_step"])]
-    return df.pivot(index="policy", columns="target_tier", values="cell")
+    return df.pivot(index="policy", columns="tier", values="cell")
 
 
 def _metrics(meta) -> dict:
@@ -44,8 +45,8 @@ def _metrics(meta) -> dict:
 def _best(rows: list[dict]) -> dict[str, str]:
     best: dict[str, tuple[float, str]] = {}
     for r in rows:
-        if r["task"] == "all" and r["tokens_per_s"] and r["tokens_per_s"] > best.get(r["target_tier"], (0.0, ""))[0]:
-            best[r["target_tier"]] = (r["tokens_per_s"], r["policy"])
+        if r["task"] == "all" and r["tokens_per_s"] and r["tokens_per_s"] > best.get(r["tier"], (0.0, ""))[0]:
+            best[r["tier"]] = (r["tokens_per_s"], r["policy"])
     return {tier: pol for tier, (_, pol) in best.items()}
 
 
@@ -101,8 +102,8 @@ if overview is not None:
         try:
             with Store(db, wait_s=3.0) as s:
                 results = calibrate_all(s)
-            for (device, target, draft, tier, _), out in results:
-                name = f"{target} + {draft} at {tier} on {device}"
+            for (device, target, draft, tier, _, kv_tier), out in results:
+                name = f"{target} + {draft} at {tier_label(tier, kv_tier or 'native')} on {device}"
                 if isinstance(out, str):
                     st.warning(f"{name}: {out}")
                 else:

@@ -16,7 +16,7 @@ from .errors import StoreError
 from .schema import PY_DEFAULTS, arrow_schema, columns
 
 # Tables whose id column gets a fresh uuid when the caller gives none.
-_IDS = {"runs": "run_id", "traces": "trace_id"}
+_IDS = {"runs": "run_id", "traces": "trace_id", "kv_measurements": "measurement_id"}
 # Child tables: (column naming the parent, key that must be present and unique per parent).
 _CHILDREN = {"steps": ("run_id", "step"), "trace_positions": ("trace_id", "position"),
              "costs": ("cost_id", "ctx_bucket")}

@@ -151,11 +151,33 @@ MIGRATIONS: list[str] = [
     ALTER TABLE costs ADD COLUMN cold_read_ms DOUBLE;
     ALTER TABLE costs ADD COLUMN warm_read_ms DOUBLE;
     """,
+    # 6: KV tiers (engine/kv/tiers.py): the tier of the target's KV cache a trace was made at,
+    # and a cost table measured at (dequantizing on every read changes what a verify costs);
+    # older traces and tables were all made at the native tier.
+    """
+    ALTER TABLE traces ADD COLUMN kv_tier VARCHAR DEFAULT 'native';
+    ALTER TABLE costs ADD COLUMN kv_tier VARCHAR DEFAULT 'native';
+    """,
+    # 7: KV measurements (`bench kv`, engine/kv/): one row per run of a measurement, its figures
+    # as JSON (bits per scalar per tier and predictor, MB/s, restore times by link bandwidth,
+    # the W and context sweeps), keyed by what they were measured on; the tuner reads them.
+    """
+    CREATE TABLE kv_measurements (
+        measurement_id VARCHAR NOT NULL PRIMARY KEY,
+        created_at TIMESTAMP DEFAULT CAST(now() AS TIMESTAMP),
+        device VARCHAR,
+        target VARCHAR,
+        target_tier VARCHAR,
+        kind VARCHAR,
+        result JSON
+    );
+    """,
 ]
 
 # Values filled in for a missing key, matching the column DEFAULTs above: inserts go BY
 # NAME with every column present, so a SQL DEFAULT alone would never apply.
-PY_DEFAULTS: dict[str, dict[str, object]] = {"runs": {"source": "speclab", "reused_tokens": 0, "prefix_hit": "off"}}
+PY_DEFAULTS: dict[str, dict[str, object]] = {"runs": {"source": "speclab", "reused_tokens": 0, "prefix_hit": "off"},
+                                              "traces": {"kv_tier": "native"}, "costs": {"kv_tier": "native"}}
 
 SCHEMA_VERSION: int = len(MIGRATIONS)
 

@@ -48,10 +48,12 @@ def _run_tables(where: str, runs: Sequence[tuple[Mapping[str, Any], Sequence[Map
     return run_table, pa.concat_tables(steps) if steps else to_table("steps", "steps", [])
 
 
-# The steps of one pair's finished live runs on one device and tier (parameters: device,
-# target, draft, target tier): what calibrates its cost table and measures its acceptance.
+# The steps of one pair's finished live runs on one device, tier and KV tier (parameters: device,
+# target, draft, target tier, KV tier twice: NULL matches every KV tier): what calibrates its cost
+# table and measures its acceptance.
 _PAIR_LIVE_STEPS = (" FROM steps s JOIN runs r ON r.run_id = s.run_id WHERE r.device = ? AND r.target = ?"
-                    " AND r.draft = ? AND r.target_tier = ? AND r.source = 'speclab' AND r.error IS NULL")
+                    " AND r.draft = ? AND r.target_tier = ? AND (CAST(? AS VARCHAR) IS NULL OR coalesce(r.kv_tier, 'native') = ?)"
+                    " AND r.source = 'speclab' AND r.error IS NULL")
 
 
 class Store:
@@ -210,6 +212,19 @@ class Store:
             insert(con, "controllers", to_table("controllers", "controller", [row]))
         return int(row["version"])
 
+    def add_kv_measurement(self, row: Mapping[str, Any]) -> str:
+        """Store one KV measurement (device, target, target_tier, kind, result JSON); returns its id."""
+        self._check_writable("a KV measurement")
+        table = to_table("kv_measurements", "KV measurement", [row])
+        measurement_id: str = table["measurement_id"][0].as_py()
+        with self._writing(f"KV measurement {measurement_id}") as con:
+            insert(con, "kv_measurements", table)
+        return measurement_id
+
+    def kv_measurements(self, **equals: Any) -> pd.DataFrame:
+        """KV measurements whose columns equal the given values, oldest first."""
+        return self._select("kv_measurements", "measurement_id", equals)
+
     def _check_writable(self, what: str) -> None:
         self._check_open()
         if self.read_only:
@@ -267,31 +282,34 @@ class Store:
 
     def costs(self, device: str | None = None, target: str | None = None,
               draft: str | None = None, target_tier: str | None = None,
-              draft_tier: str | None = None) -> pd.DataFrame:
-        """The newest cost batch per (device, target, draft, tiers) key; None filters nothing.
+              draft_tier: str | None = None, kv_tier: str | None = None) -> pd.DataFrame:
+        """The newest cost batch per (device, target, draft, tiers, KV tier) key; None filters
+        nothing.
 
         Rows are ordered by key, then ctx_bucket; older batches are kept but not returned.
         """
-        values = (device, target, draft, target_tier, draft_tier)
+        values = (device, target, draft, target_tier, draft_tier, kv_tier)
         sql, params = latest_costs_sql(dict(zip(COST_KEY, values)))
         with self._reader() as con:
             return _typed(con.execute(sql, params).df(), "costs")
 
-    def step_times(self, device: str, target: str, draft: str, target_tier: str) -> pd.DataFrame:
+    def step_times(self, device: str, target: str, draft: str, target_tier: str,
+                   kv_tier: str | None = None) -> pd.DataFrame:
         """(k_drafted, context_len, ms) of every decode step after the prefill of the finished
-        runs of one pair on one device and tier; ms = draft_ms + verify_ms."""
+        runs of one pair on one device, tier and KV tier (None: any); ms = draft_ms + verify_ms."""
         sql = ("SELECT s.k_drafted, s.context_len, s.draft_ms + s.verify_ms AS ms" + _PAIR_LIVE_STEPS +
                " AND s.step > 0 ORDER BY r.created_at, s.run_id, s.step")
         with self._reader() as con:
-            return con.execute(sql, [device, target, draft, target_tier]).df()
+            return con.execute(sql, [device, target, draft, target_tier, kv_tier, kv_tier]).df()
 
-    def first_token_acceptance(self, device: str, target: str, draft: str, target_tier: str) -> tuple[int, int]:
+    def first_token_acceptance(self, device: str, target: str, draft: str, target_tier: str,
+                               kv_tier: str | None = None) -> tuple[int, int]:
         """(drafting steps whose first drafted token was accepted, drafting steps) over the
-        finished live runs of one pair on one device and tier: the per-token acceptance α of
-        the pair, whatever draft lengths the runs chose."""
+        finished live runs of one pair on one device, tier and KV tier (None: any): the
+        per-token acceptance α of the pair, whatever draft lengths the runs chose."""
         sql = "SELECT count(*) FILTER (WHERE s.accepted > 0), count(*)" + _PAIR_LIVE_STEPS + " AND s.k_drafted > 0"
         with self._reader() as con:
-            hits, n = con.execute(sql, [device, target, draft, target_tier]).fetchone()
+            hits, n = con.execute(sql, [device, target, draft, target_tier, kv_tier, kv_tier]).fetchone()
         return int(hits), int(n)
 
     def controller(self, name: str,

@@ -40,7 +40,34 @@ def test_generate_json_with_a_tiny_pair(tiny_dirs, tmp_path):
     assert row["token_ids"] == out["token_ids"] and row["policy"] == "heuristic"
 
 
+def test_generate_at_a_kv_tier_records_it(tiny_dirs, tmp_path):
+    target, draft = tiny_dirs
+    db = tmp_path / "runs.duckdb"
+    proc = _cli("generate", "--prompt", "Hello", "--chat", "--target", str(target), "--draft", str(draft),
+                "--policy", "fixed:3", "--max-new-tokens", "12", "--kv-tier", "fp8", "--db", str(db))
+    assert proc.returncode == 0, proc.stderr
+    summary = proc.stderr.strip().splitlines()[-1]
+    assert "fp32 · KV fp8 0.1 KiB/token ·" in summary, summary  # 2 layers × 2 heads × (8 + 1) × 2 = 72 bytes
+    proc = _cli("generate", "--prompt", "Hello", "--chat", "--target", str(target), "--draft", str(draft),
+                "--max-new-tokens", "12", "--kv-tier", "int8", "--db", str(db), "--json")
+    assert proc.returncode == 0, proc.stderr
+    out = json.loads(proc.stdout)
+    assert (out["kv_tier"], out["kv_bytes_per_token"]) == ("int8", 80)
+    assert {s["kv_tier"] for s in out["steps"]} == {"int8"}
+    from store import Store
+
+    with Store(db) as st:
+        runs = st.runs()
+        assert sorted(runs["kv_tier"]) == ["fp8", "int8"]
+        assert set(st.steps(out["run_id"])["kv_tier"]) == {"int8"}
+
+
 @pytest.mark.parametrize("args,needle", [
+    (["generate", "--prompt", "x", "--kv-tier", "fp4"], "unknown KV tier 'fp4'; known: native, fp8, int8"),
+    (["trace", "--kv-tiers", "native,fp9"], "unknown KV tier(s) fp9; known: native, fp8, int8"),
+    (["profile", "--kv-tiers", ""], "unknown KV tier(s) (none)"),
+    (["whatif", "--kv-tiers", "zip", "--db", ":memory:"], "unknown KV tier(s) zip"),
+    (["costs", "--kv-tiers", "int4"], "unknown KV tier(s) int4"),
     (["generate", "--prompt", "x", "--policy", "fixed:99"], "0 ≤ k ≤ 8"),
     (["generate", "--prompt", "x", "--target-tier", "q3"], "invalid choice"),
     (["generate", "--prompt", "x", "--max-new-tokens", "0"], "max_new_tokens"),

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from engine import invariance
-from engine.kv import new_cache
+from engine.kv.cache import new_cache
 from engine.forward import crop_to, forward_logits
 from engine.oracles.model import draft_read
 

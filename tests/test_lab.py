@@ -293,3 +293,152 @@ def test_retrain_on_the_speckv_file_reproduces_the_paper(tmp_path):
     assert abs(r["test_corr"] - 0.685) <= 0.03 and abs(r["test_mse"] - 0.090) <= 0.01
     assert abs(r["rf_test_corr"] - 0.835) <= 0.03
     assert r["whatif_kind"] == "predictor-scored" and r["whatif_gain_vs_fixed4"] > 0
+
+
+# -- KV tiers ---------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def traced_fp8(tiny_pair):
+    return [trace(tiny_pair, p, task, MAX_NEW, kv_tier="fp8") for task, p in PROMPTS[:3]]
+
+
+@pytest.mark.parametrize("spec", ["fixed:3", "heuristic", "threshold:0.5", "speckv", "rakv"])
+def test_a_trace_at_a_kv_tier_replays_the_live_run_at_that_tier(tiny_pair, traced, traced_fp8, spec):
+    _, ctx = traced
+    for t in traced_fp8:
+        assert t.row["kv_tier"] == "fp8"
+        ids = encode_prompt(tiny_pair.tokenizer, t.row["prompt"], chat=True)
+        live = Generation(tiny_pair, ids, make_policy(spec, ctx), GenConfig(max_new_tokens=MAX_NEW, kv_tier="fp8")).run()
+        rep = replay(make_policy(spec, ctx), t.row, t.positions, ctx.costs)
+        assert live.token_ids == t.row["token_ids"]
+        assert rep.kv_tier == "fp8" and {r.kv_tier for r in rep.steps} == {r.kv_tier for r in live.records} == {"fp8"}
+        assert rep.outcome() == [(r.k_chosen, r.k_drafted, r.accepted, r.emitted) for r in live.records[1:]]
+        assert [r.entropies for r in rep.steps] == [r.entropies for r in live.records]
+
+
+def test_traces_at_two_kv_tiers_differ_and_group_apart(traced, traced_fp8):
+    traces, ctx = traced
+    # The KV tier changes what the target emits (and so what the draft is scored against).
+    assert any(a.row["token_ids"] != b.row["token_ids"] for a, b in zip(traces, traced_fp8))
+    reps = [replay(make_policy("fixed:2", ctx), t.row, t.positions, ctx.costs) for t in traces[:3] + traced_fp8]
+    rows = {(r["tier"], r["kv_tier"], r["task"]): r for r in summarize(reps)}
+    assert rows[("fp32", "native", "all")]["prompts"] == rows[("fp32/fp8", "fp8", "all")]["prompts"] == 3
+    old = dict(traces[0].row)
+    del old["kv_tier"]  # a trace stored before KV tiers: made at native
+    assert replay(make_policy("ar", ctx), old, traces[0].positions).kv_tier == "native"
+
+
+def test_sweep_jobs_and_their_resume_key_carry_the_kv_tier():
+    from engine.profiling import Job, pending, sweep_jobs
+
+    jobs = sweep_jobs([("chat", "a"), ("code", "b")], ["fp32", "bf16"], ["ar", "fixed:2"], ["native", "fp8"])
+    assert len(jobs) == 16 and jobs[0] == Job("fp32", "chat", "a", "ar", "native")
+    assert [j.kv_tier for j in jobs[:8]] == ["native"] * 4 + ["fp8"] * 4 and {j.tier for j in jobs[:8]} == {"fp32"}
+    done = {("fp32", "native", "a", "ar"), ("fp32", "fp8", "b", "fixed:2")}
+    left = pending(jobs, done)
+    assert len(left) == 14 and Job("fp32", "chat", "a", "ar", "fp8") in left  # same prompt, other KV tier: still to run
+    assert sweep_jobs([("chat", "a")], ["fp32"], ["ar"]) == [Job("fp32", "chat", "a", "ar")]  # native by default
+
+
+def test_sweep_table_keeps_kv_tiers_apart():
+    import pandas as pd
+
+    from engine.service import sweep_table
+
+    runs = pd.DataFrame([dict(target_tier="fp32", kv_tier=kv, policy=pol, prompt="a", n_tokens=100, wall_ms=ms)
+                         for kv, pol, ms in [("native", "ar", 1000), ("native", "fixed:2", 800),
+                                             ("fp8", "ar", 1100), ("fp8", "fixed:2", 1200), (None, "fixed:4", 700)]])
+    t = sweep_table(runs)
+    assert set(t) == {"fp32", "fp32/fp8"}  # a run stored without a KV tier was native
+    assert t["fp32"]["best_fixed"] == "fixed:4" and t["fp32/fp8"]["best_fixed"] == "fixed:2"
+    assert t["fp32/fp8"]["peer"] == pytest.approx(100 / 1.1)
+
+
+def test_controllers_read_the_kv_tier_and_old_ones_keep_predicting(traced, traced_fp8):
+    """New predictors fitted on our traces read the KV tier's code as a seventh input; one stored
+    with the paper's six (meta lists its features) loads and predicts as before at any KV tier."""
+    import pandas as pd
+
+    from engine.kv.tiers import KV_TIERS
+    from engine.policies.speckv import SpeckvPolicy
+    from engine.predictor import FEATURES, FEATURES_KV, KV_CODES, Predictor, feature_rows
+    from engine.records import DecodeState
+    from engine.service import controller_loader
+    from store import Store
+
+    assert tuple(KV_CODES) == KV_TIERS and list(KV_CODES.values()) == [0, 1, 2]
+    traces, ctx = traced
+    both = traces[:3] + traced_fp8
+    rows = pd.DataFrame([dict(t.row, trace_id=f"t{i}") for i, t in enumerate(both)])
+    pos = pd.DataFrame([dict(r, trace_id=f"t{i}") for i, t in enumerate(both) for r in t.positions])
+    ex = from_traces(rows, pos)
+    assert ex.features == FEATURES_KV and ex.x.shape[1] == 7 and set(ex.x[:, 6]) == {0.0, 1.0}
+    assert {s.split("/")[0] for s in ex.stratum} == {"fp32", "fp32+fp8"}
+    new = fit_mlp(ex.x, ex.y)
+    assert new.features == FEATURES_KV and new.meta["features"] == list(FEATURES_KV)
+    x = feature_rows(np.array([1.0, 0.5, 2.0, 0.3]), "fp32", (2, 4), "int8", new.features)
+    assert x.tolist() == [[1.0, 0.5, 2.0, 0.3, 0, 2, 2], [1.0, 0.5, 2.0, 0.3, 0, 4, 2]]
+    flipped = ex.x.copy()
+    flipped[:, 6] = 1 - flipped[:, 6]  # each row at the other KV tier
+    assert not np.allclose(new.predict(ex.x), new.predict(flipped))  # the tier is an input it uses
+
+    from tiny import synthetic_context
+
+    old = synthetic_context().controller("speckv", None)  # a six-feature MLP, as stored before KV tiers
+    assert old.features == FEATURES and old.arrays["w0"].shape[0] == 6
+    with Store(":memory:") as st:
+        st.add_controller("speckv", old.arrays, dict(features=list(FEATURES), signal_defaults=old.meta["signal_defaults"],
+                                                     kind="mlp"), "traces")
+        st.add_controller("speckv-rf", fit_forest(np.c_[ex.x[:, :6]], ex.y).arrays,
+                          dict(signal_defaults=[1, 0.5, 1, 0.5], kind="rf"), "traces")  # no features listed: the six
+        load = controller_loader(st)
+        loaded, rf = load("speckv", None), load("speckv-rf", None)
+    assert isinstance(loaded, Predictor) and loaded.features == FEATURES == rf.features
+    for kv in KV_TIERS:  # it ignores the KV tier it cannot read
+        state = DecodeState(step=1, position=1, context_len=64, remaining=100, target_tier="fp32", kv_tier=kv)
+        assert SpeckvPolicy(loaded, ctx.costs).choose(state).k == SpeckvPolicy(old, ctx.costs).choose(state).k
+        assert 0 <= rf.predict(feature_rows(rf.defaults, "fp32", (4,), kv, rf.features))[0] <= 1
+    with pytest.raises(ValueError, match="feature.*attention_sinks"):
+        feature_rows(rf.defaults, "fp32", (4,), "native", FEATURES + ("attention_sinks",))
+
+
+@pytest.mark.slow
+def test_cli_kv_tier_axis_measure_trace_replay_profile(tiny_dirs, tmp_path):
+    """The KV tier through the commands: cost tables and traces per KV tier (a rerun resumes per
+    tier), replay rows per KV tier, a profile sweep over it that resumes, calibration per KV tier."""
+    target, draft = tiny_dirs
+    db = str(tmp_path / "kv.duckdb")
+    model = ["--target", str(target), "--draft", str(draft)]
+    kv = ["--kv-tiers", "native,fp8"]
+    trace_args = ["trace", *model, *kv, "--prompts", "bench", "--per-task", "1", "--max-new-tokens", "20", "--db", db]
+    profile_args = ["profile", *model, *kv, "--prompts", "bench", "--per-task", "1", "--policies", "ar,fixed:2,rakv",
+                    "--max-new-tokens", "12", "--sweep", "kv", "--db", db, "--json"]
+    for args in (["costs", *model, *kv, "--buckets", "8,32", "--reps", "2", "--db", db], trace_args, trace_args,
+                 profile_args):
+        proc = _cli(*args)
+        assert proc.returncode == 0, (args[0], proc.stderr[-2000:])
+    table = json.loads(proc.stdout)
+    assert set(table) == {"fp32", "fp32/fp8"} and all(t["prompts"] == 4 for t in table.values())
+    from store import Store
+
+    with Store(db, read_only=True) as st:
+        assert sorted(st.costs()["kv_tier"].unique()) == ["fp8", "native"]
+        traces = st.traces()
+        assert len(traces) == 8 and traces.groupby("kv_tier").size().to_dict() == {"fp8": 4, "native": 4}
+        runs = st.runs(sweep="kv")
+        assert len(runs) == 24 and runs.groupby("kv_tier").size().to_dict() == {"fp8": 12, "native": 12}
+        assert (st.steps().merge(runs[["run_id", "kv_tier"]], on="run_id").eval("kv_tier_x == kv_tier_y")).all()
+    again = _cli(*trace_args)
+    assert again.returncode == 0 and "0 traces stored" in again.stderr  # both KV tiers resume
+    assert _cli(*profile_args).returncode == 0
+    with Store(db, read_only=True) as st:
+        assert len(st.runs(sweep="kv")) == 24  # a finished sweep reruns nothing
+    whatif = _cli("whatif", "--db", db, "--policies", "ar,fixed:2", "--kv-tiers", "fp8", "--json")
+    assert whatif.returncode == 0, whatif.stderr[-2000:]
+    rows = json.loads(whatif.stdout)
+    assert {r["kv_tier"] for r in rows} == {"fp8"} and {r["tier"] for r in rows} == {"fp32/fp8"}
+    assert all(r["tokens_per_s"] > 0 for r in rows)  # priced by the fp8 cost table
+    text = _cli("whatif", "--db", db, "--policies", "fixed:2")
+    assert text.returncode == 0 and "fp32  fp8" in text.stdout and "fp32  native" in text.stdout
+    cal = _cli("costs", *model, "--kv-tiers", "fp8", "--calibrate", "--db", db, "--json")
+    assert cal.returncode == 0, cal.stderr[-2000:]
+    assert json.loads(cal.stdout)[0]["kv_tier"] == "fp8" and len(json.loads(cal.stdout)[0]["step_factor"]) == 9

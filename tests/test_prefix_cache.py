@@ -142,3 +142,89 @@ def test_the_draft_proposes_with_reuse_what_it_proposes_cold(tiny_pair, row_inva
     for ids in (first, first, other):
         g = _run(pair, ids, "fixed:2", cache)
         assert [r.entropies for r in g.records] == [r.entropies for r in cold[tuple(ids)].records], g.summary.prefix_hit
+
+
+@pytest.mark.parametrize("kv_tier", ["fp8", "int8"])
+def test_reuse_at_a_kv_tier_gives_what_a_cold_read_gives(tiny_pair, kv_tier):
+    """An entry holds the target's KV in the tier's stored form (codes and scales) under a key
+    naming the tier: filled into a fresh cache it is what reading the prompt cold gave, bit for
+    bit, and a run at another KV tier never takes it."""
+    tok = tiny_pair.tokenizer
+    system = {"role": "system", "content": "You answer briefly. " * 6}
+    first = encode_messages(tok, [system, {"role": "user", "content": "What is 2+2?"}])
+    other = encode_messages(tok, [system, {"role": "user", "content": "Name a colour."}])
+
+    def run(ids, spec, cache, kv, reuse=True):
+        cfg = GenConfig(max_new_tokens=24, reuse=reuse, kv_tier=kv)
+        return Generation(tiny_pair, ids, make_policy(spec, synthetic_context()), cfg, prefix=cache).run()
+
+    cold = {tuple(ids): run(ids, "ar", None, kv_tier, reuse=False).token_ids for ids in (first, other)}
+    cache = PrefixCache()
+    native = run(first, "fixed:4", cache, "native")
+    assert native.summary.prefix_hit == "miss"
+    kinds = []
+    for spec in ("fixed:4", "heuristic"):
+        for ids in (first, first, other):  # a miss, an exact repeat, a partial hit; then all stored
+            g = run(ids, spec, cache, kv_tier)
+            assert g.token_ids == cold[tuple(ids)], (spec, g.summary.prefix_hit)
+            kinds.append(g.summary.prefix_hit)
+    assert kinds == ["miss", "exact", "partial", "exact", "exact", "exact"]
+    tiered = [e for e in cache.entries() if e.key[-1] == kv_tier]
+    plain = [e for e in cache.entries() if e.key[-1] == "native"]
+    assert tiered and plain and all(isinstance(k, pc.Quantized) for e in tiered for k, _ in e.kv)
+    per_position = lambda e: pc.kv_bytes(e.kv) / len(e.tokens)  # noqa: E731
+    assert per_position(tiered[0]) < per_position(plain[0]) / 3  # 72 or 80 bytes a position, not 256
+
+
+def test_evicted_entries_spill_to_the_slow_tier_and_come_back(tmp_path):
+    from engine.kv.offload import SlowTier
+
+    size = entry(range(10)).nbytes
+    cache = PrefixCache(budget_bytes=size + 1, spill=pc.Spill(SlowTier(tmp_path), budget_bytes=10 * size, window=4))
+    a, b = entry(range(10)), entry(range(20, 30))
+    a.kv[0][0].normal_()  # distinct numbers, to see them come back bit for bit
+    want = a.kv[0][0].clone()
+    assert cache.put(a) and cache.put(b)  # b evicts a: spilled, not gone
+    s = cache.stats()
+    assert (s["spilled"], s["spilled_entries"], s["entries"]) == (1, 1, 1) and len(list(tmp_path.glob("*.kvw"))) == 3
+    hit = cache.lookup(KEY, list(range(10)))
+    assert hit.kind == "exact" and torch.equal(hit.entry.kv[0][0], want)  # restored, and b spilled in turn
+    s = cache.stats()
+    assert (s["spill_hits"], s["spilled_entries"], s["entries"]) == (1, 1, 1) and s["bytes"] <= s["budget_bytes"]
+    # A corrupt spilled window: the stub is dropped and the lookup is a miss, never wrong state.
+    for f in tmp_path.glob("*.kvw"):
+        blob = bytearray(f.read_bytes())
+        blob[-1] ^= 0xFF
+        f.write_bytes(bytes(blob))
+    assert cache.lookup(KEY, list(range(20, 30))).kind == "miss"
+    assert cache.stats()["spill_errors"] == 1 and cache.stats()["spilled_entries"] == 0
+
+
+def test_the_spill_tier_keeps_its_own_budget():
+    from engine.kv.offload import SlowTier
+
+    size = entry(range(10)).nbytes
+    cache = PrefixCache(budget_bytes=size + 1, spill=pc.Spill(SlowTier(), budget_bytes=size + 200, window=10))
+    for i in range(4):
+        cache.put(entry([i] * 10))
+    s = cache.stats()
+    assert s["spilled"] == 3 and s["spilled_entries"] == 1 and s["spill_dropped"] == 2 and s["spill_bytes"] <= size + 200
+    assert cache.lookup(KEY, [0] * 10).kind == "miss" and cache.lookup(KEY, [2] * 10).kind == "exact"
+
+
+@pytest.mark.parametrize("kv_tier", ["native", "fp8"])
+def test_greedy_output_after_a_spilled_hit_equals_output_without_reuse(tiny_pair, tmp_path, kv_tier):
+    from engine.kv.offload import SlowTier
+
+    ids_a = encode_prompt(tiny_pair.tokenizer, "Tell me a story about a cat.", chat=True)
+    ids_b = encode_prompt(tiny_pair.tokenizer, "2+2=", chat=True)
+    cfg = GenConfig(max_new_tokens=24, kv_tier=kv_tier)
+    cold = Generation(tiny_pair, ids_a, make_policy("fixed:3"), GenConfig(max_new_tokens=24, kv_tier=kv_tier, reuse=False)).run()
+    cache = PrefixCache(budget_bytes=1 << 30, spill=pc.Spill(SlowTier(tmp_path), budget_bytes=1 << 30, window=8))
+    Generation(tiny_pair, ids_a, make_policy("fixed:3"), cfg, prefix=cache).run()
+    cache.budget = cache.entries()[0].nbytes + 1  # room for one run's entry: the next one evicts it
+    Generation(tiny_pair, ids_b, make_policy("fixed:3"), cfg, prefix=cache).run()
+    assert cache.stats()["spilled"] == 1
+    again = Generation(tiny_pair, ids_a, make_policy("fixed:3"), cfg, prefix=cache).run()
+    assert again.summary.prefix_hit == "exact" and cache.stats()["spill_hits"] == 1
+    assert again.token_ids == cold.token_ids

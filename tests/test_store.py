@@ -278,6 +278,9 @@ def test_first_token_acceptance_counts_drafting_steps_of_one_pair() -> None:
         st.add_run(make_run(target_tier="bf16"), make_steps(3))  # another tier
         st.add_run(make_run(error="boom"), make_steps(3))  # a failed run
         assert st.first_token_acceptance(*key) == (2, 3)
+        assert st.first_token_acceptance(*key, kv_tier="int8") == (2, 3)  # the runs' KV tier
+        assert st.first_token_acceptance(*key, kv_tier="native") == (0, 0)
+        assert len(st.step_times(*key, kv_tier="int8")) == 3 and st.step_times(*key, kv_tier="fp8").empty
 
 
 def test_unknown_run_id() -> None:

@@ -99,6 +99,33 @@ def test_duplicate_trace_id_rolls_back_its_positions() -> None:
         assert len(st.traces()) == 1 and len(st.trace_positions("x")) == 2
 
 
+def test_version_5_traces_and_costs_read_as_native_kv_tier(tmp_path: Path) -> None:
+    """Migration 6: traces and cost tables made before KV tiers were made at the native tier;
+    new rows without one are native too, and a KV tier keys a cost table of its own."""
+    path = tmp_path / "v5.duckdb"
+    con = duckdb.connect(str(path))
+    con.execute("CREATE TABLE meta (schema_version INTEGER NOT NULL)")
+    for sql in MIGRATIONS[:5]:
+        con.execute(sql)
+    con.execute("INSERT INTO meta VALUES (5)")
+    con.execute("INSERT INTO traces (trace_id, target, target_tier, prompt) VALUES ('old', 't', 'fp32', 'p')")
+    con.execute("INSERT INTO costs (cost_id, device, target, draft, target_tier, ctx_bucket, draft_ms, verify_ms)"
+                " VALUES ('c-old', 'cpu', 't', 'd', 'fp16', 64, 1.0, [1, 2, 3, 4, 5, 6, 7, 8, 9])")
+    con.close()
+    with Store(path) as st:
+        assert st.traces()["kv_tier"].tolist() == ["native"]
+        assert st.costs()["kv_tier"].tolist() == ["native"]
+        st.add_trace(make_trace(trace_id="new"), make_positions(1))
+        st.add_trace(make_trace(trace_id="fp8", kv_tier="fp8"), make_positions(1))
+        assert st.traces(kv_tier="native")["trace_id"].tolist() == ["old", "new"]
+        assert st.traces(kv_tier="fp8")["trace_id"].tolist() == ["fp8"]
+        int8 = st.add_costs(make_costs((64,), draft_ms=2.0, kv_tier="int8"))
+        assert st.costs(kv_tier="native")["cost_id"].tolist() == ["c-old"]  # not replaced by int8's
+        assert st.costs(kv_tier="int8")["cost_id"].tolist() == [int8]
+        with pytest.raises(StoreError, match="different"):
+            st.add_costs(make_costs((64,)) + make_costs((128,), kv_tier="fp8"))
+
+
 # ----- costs --------------------------------------------------------------------------------
 def test_costs_returns_only_the_latest_batch_per_key(tmp_path: Path) -> None:
     path = tmp_path / "c.duckdb"
@@ -322,10 +349,24 @@ def test_version_1_file_migrates_and_keeps_its_runs(tmp_path: Path) -> None:
     con = duckdb.connect(str(path), read_only=True)
     try:
         assert con.execute("SELECT schema_version FROM meta").fetchall() == [(SCHEMA_VERSION,)]
-        assert SCHEMA_VERSION == 5
+        assert SCHEMA_VERSION == 7
         cols = [r[0] for r in con.execute("SELECT column_name FROM information_schema.columns WHERE table_name = 'costs'").fetchall()]
         assert "step_factor" in cols  # migration 3: calibrated cost tables
         assert {"prefill_ms", "fill_ms"} <= set(cols)  # migration 4: the prefill, cold and from the prefix cache
         assert {"cold_read_ms", "warm_read_ms"} <= set(cols)  # migration 5: the draft's catch-up reads
+        assert "kv_tier" in cols  # migration 6: KV tiers
+        kv = [r[0] for r in con.execute("SELECT column_name FROM information_schema.columns WHERE table_name = 'kv_measurements'").fetchall()]
+        assert {"device", "target", "target_tier", "kind", "result"} <= set(kv)  # migration 7: KV measurements
     finally:
         con.close()
+
+
+def test_kv_measurements_are_stored_and_read_back_by_key() -> None:
+    with Store(":memory:") as st:
+        a = st.add_kv_measurement(dict(device="cpu", target="t", target_tier="bf16", kind="bench", result={"native_bits": 4.6}))
+        st.add_kv_measurement(dict(device="cpu", target="u", target_tier="fp32", kind="bench", result={"native_bits": 5.0}))
+        rows = st.kv_measurements(target="t")
+        assert list(rows["measurement_id"]) == [a] and json.loads(rows["result"][0]) == {"native_bits": 4.6}
+        with pytest.raises(StoreError, match="result"):
+            st.add_kv_measurement(dict(device="cpu", target="t", target_tier="bf16", kind="bench", result=object()))
+        assert len(st.kv_measurements()) == 2  # the refused row changed nothing

@@ -1,4 +1,2 @@
-"""KV caches and tiers (docs/architecture.md, "Where the next parts plug in")."""
-from engine.kv.cache import GrowingLayer, new_cache
-
-__all__ = ["GrowingLayer", "new_cache"]
+"""KV caches and tiers, the KV codec, offload and the tuner (docs/architecture.md, "KV tiers",
+"KV coding", "KV offload"). Import the submodules: some need torch, the tuner and pipeline do not."""

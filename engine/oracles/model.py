@@ -9,7 +9,9 @@ import torch
 
 from engine import invariance
 from engine.forward import crop_to, forward_logits
-from engine.kv import new_cache
+from engine.kv.cache import new_cache
+from engine.kv.calibration import CodecKit
+from engine.kv.offload import Offloaded, SlowTier, Timing, drop, offload, restore
 from engine.models import ModelPair
 from engine.prefix_cache import Entry, Hit, PrefixCache, fill, kv_of
 from engine.records import DraftToken
@@ -106,19 +108,33 @@ class DraftModelProposer:
         return draft_read(self.pair, ids, self.cache)
 
 
+def target_reads(pair: ModelPair, kv_tier: str) -> Callable[[], contextlib.AbstractContextManager]:
+    """The context the target's reads run in at `kv_tier`: row-invariant at a lossy tier (a key
+    one ULP off can cross a quantization step, so a verify must store what plain steps store),
+    where the pair's target allows it; HF's own forward otherwise."""
+    if kv_tier != "native" and pair.target_row_invariant:
+        return invariance.row_invariant_reads
+    return contextlib.nullcontext
+
+
 class TargetVerifier:
     """One target forward over [newest token, d_1 … d_k] scores every draft prefix at once. With
     a prefix cache, the prefill takes what the longest stored prefix offers (engine/prefix_cache.py)."""
 
     def __init__(self, pair: ModelPair, prompt_ids: list[int], sampler: Sampler,
-                 prefix: PrefixCache | None = None) -> None:
+                 prefix: PrefixCache | None = None, kv_tier: str = "native") -> None:
         self.pair, self.sampler, self.prefix = pair, sampler, prefix
+        self.kv_tier = kv_tier  # the tier of the target's KV cache (engine/kv/tiers.py)
+        # At a lossy tier every read of the target runs row-invariant where the pair allows it.
+        self.reads = target_reads(pair, kv_tier)
         self.tokens = list(prompt_ids)  # the context: the prompt and every emitted token
         self.n_prompt = len(prompt_ids)
         self.cache = None  # holds all of `tokens` but the newest, the next input
         self.ended = False
         self.hit = Hit("off" if prefix is None else "miss", 0)
         self._prompt_logits: torch.Tensor | None = None  # [V], kept for the prefix cache
+        self._offloaded: tuple | None = None  # (manifest, slow tier, codec kit) while the cache is away
+        self.restore_timing: Timing | None = None  # the last restore's, per window
 
     @property
     def reused(self) -> int:
@@ -132,21 +148,23 @@ class TargetVerifier:
             taken = take(self.hit.reused) if self.hit.reused else 0
             if taken < self.hit.reused:  # fewer positions than offered: no stored logits either
                 self.hit = Hit("partial", taken, self.hit.entry) if taken > 0 else Hit("declined", 0)
-        cache = new_cache(target)
+        cache = new_cache(target, self.kv_tier)
         if self.hit.reused:
             fill(cache, self.hit.entry.kv, self.hit.reused)
         if self.hit.logits is not None:  # an exact repeat: nothing left to read
             logits = self.hit.logits[None]  # [1, V]
         else:
-            logits, cache = forward_logits(target, self.tokens[self.hit.reused:], cache, 1, self.pair.vocab_size)
+            with self.reads():
+                logits, cache = forward_logits(target, self.tokens[self.hit.reused:], cache, 1, self.pair.vocab_size)
         self.cache, self._prompt_logits = cache, logits[0]
         first, _ = self.sampler.choose(logits[0])
         return self._emit([first])[0]
 
     def key(self) -> tuple:
-        """Whose states a prefix-cache entry holds: the pair, its tiers, the device."""
+        """Whose states a prefix-cache entry holds: the pair, its tiers (the KV tier's among them:
+        an entry holds the target's KV in that tier's stored form), the device."""
         p = self.pair
-        return (p.target_name, p.target_tier, p.draft_name, p.draft_tier, str(p.device), p.exact_verify)
+        return (p.target_name, p.target_tier, p.draft_name, p.draft_tier, str(p.device), p.exact_verify, self.kv_tier)
 
     def remember(self, draft_cache) -> bool:
         """Stores this run's context (prompt and output, as the cache holds them) and the draft's
@@ -154,11 +172,34 @@ class TargetVerifier:
         n = len(self.tokens) - 1
         d = draft_cache.get_seq_length() if draft_cache is not None else 0
         return self.prefix.put(Entry(self.key(), tuple(self.tokens[:n]), kv_of(self.cache, n), self.n_prompt,
-                                     self._prompt_logits, kv_of(draft_cache, d) if d else None, d))
+                                     self._prompt_logits, kv_of(draft_cache, d) if d else None, d, self.kv_tier))
+
+    def offload(self, slow: SlowTier, window: int, kit: CodecKit | None = None, name: str = "gen") -> Offloaded:
+        """Moves the target's cache to `slow` in windows of `window` tokens (coded with `kit`'s
+        codec when given) and drops it; the next read restores it (`ensure_cache`)."""
+        assert self.cache is not None and self._offloaded is None, "nothing to offload"
+        n = len(self.tokens) - 1
+        off = offload(kv_of(self.cache, n), self.tokens[:n], self.kv_tier, slow, name, window,
+                      kit.codec(self.kv_tier) if kit else None, kit.mu(self.kv_tier) if kit else None)
+        self._offloaded, self.cache = (off, slow, kit), None
+        return off
+
+    def ensure_cache(self) -> None:
+        """Restores an offloaded cache (pipelined, window by window); a restore that fails raises
+        and leaves the cache offloaded, never half filled."""
+        if self._offloaded is None:
+            return
+        off, slow, kit = self._offloaded
+        self.restore_timing = Timing()
+        kv = restore(off, slow, kit.codec(self.kv_tier) if kit else None, kit.mu(self.kv_tier) if kit else None, self.restore_timing)
+        self.cache = fill(new_cache(self.pair.target, self.kv_tier), kv, len(off.tokens))
+        self._offloaded = None
+        drop(off, slow)
 
     def verify(self, drafted: list[DraftToken]) -> tuple[int, list[int]]:
+        self.ensure_cache()
         pair, draft = self.pair, [d.token_id for d in drafted]
-        with invariance.verifying() if pair.exact_verify else contextlib.nullcontext():
+        with invariance.verifying() if pair.exact_verify else contextlib.nullcontext(), self.reads():
             logits, self.cache = forward_logits(pair.target, [self.tokens[-1]] + draft, self.cache,
                                                 len(draft) + 1, pair.vocab_size)  # [k+1, V]
         p = torch.stack([d.p for d in drafted]) if drafted and not self.sampler.greedy else None  # [k, V]

@@ -1,5 +1,6 @@
 """`speckv`: the SpecKV controller, fixed (docs/architecture.md, "Policies and controllers"). A small MLP predicts the
-acceptance rate of a γ-token draft from the draft's uncertainty, the target's compression and γ;
+acceptance rate of a γ-token draft from the draft's uncertainty, the target's compression (and,
+fitted on our traces or runs, its KV tier) and γ;
 the policy picks the γ with the most expected tokens per measured millisecond.
 
 What differs from the paper, and why: the uncertainty features are those of the previous
@@ -71,7 +72,7 @@ class SpeckvPolicy(BasePolicy):
         grid, scale = candidates(state), self._scale()
         # Same features (the last drafting step), context bucket, candidates and feedback: same choice.
         drafted = last_drafting(state)
-        key = (id(drafted), state.target_tier, self.costs.bucket_of(state.context_len), grid, scale)
+        key = (id(drafted), state.target_tier, state.kv_tier, self.costs.bucket_of(state.context_len), grid, scale)
         if self._last and self._last[0] == key:
             return self._last[1]
         ks, rate = self._rates(state, grid, drafted)
@@ -91,7 +92,8 @@ class SpeckvPolicy(BasePolicy):
         """(candidates, the MLP's predicted rate = accepted / k of each; see tokens_from_rate).
         Row k = 0 only fills the batch: a plain step yields exactly one token."""
         ks = np.array(grid)
-        x = feature_rows(signals_before(state, self.predictor.defaults, drafted), state.target_tier, grid)
+        x = feature_rows(signals_before(state, self.predictor.defaults, drafted), state.target_tier, grid,
+                         state.kv_tier, self.predictor.features)
         return ks, self.predictor.predict(x)
 
 

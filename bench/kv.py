@@ -1,0 +1,356 @@
+"""The memory side measured in one run, on held-out real text (ShareGPT V3, even-numbered
+conversations through the chat template), the target at bf16 by default:
+
+- bits per scalar of the coded stream (window headers and checksums counted) for the native
+  cache against each predictor, fp8 and int8 alone and coded; zstd level 19 on the same bytes
+  as the peer; whether every round trip is bit-exact;
+- encode and decode MB/s of raw KV (the stored bytes), one core's codec, the predictor apart;
+  the predictor's cost against the target's own prefill of the same tokens, timed in turns;
+- restore time from a slow tier against a raw transfer of the stored bytes, at link bandwidths
+  0.1–100 Gbit/s (the measured per-window μ and decode times through the pipeline model, checked
+  against one real pipelined restore over a sleeping link), and the break-even bandwidth;
+- ratio and throughput against W and against the context length;
+- acceptance and best γ by (weight tier × KV tier), from traces of held-out prompts replayed
+  exactly under each fixed γ with the cost table of that tier and KV tier.
+
+The result is stored (`kv_measurements`, for the tuner and the workbench) and printed.
+
+Run: python bench/kv.py [--json] [--full] [--quick]   or   python -m engine bench kv …"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from engine.args import add_db_arg  # noqa: E402
+
+BANDWIDTHS = (0.1, 0.3, 1.0, 3.0, 10.0, 30.0, 100.0)  # Gbit/s
+CHECK_GBIT_S = 1.0  # the bandwidth of the one real, sleeping-link restore that checks the model
+GAMMAS = (0, 1, 2, 4, 6)  # fixed γ replayed over the traces (0 = ar)
+COST_BUCKETS, COST_REPS = (64,), 4  # held-out chat prompts and their answers stay near 100–250 tokens
+
+
+def _zstd_bits(kv, scalars: int) -> float:
+    import numpy as np
+    import zstandard
+
+    data = np.ascontiguousarray(kv.codes).tobytes() + (b"" if kv.side is None else np.ascontiguousarray(kv.side).tobytes())
+    return 8 * len(zstandard.ZstdCompressor(level=19).compress(data)) / scalars
+
+
+def _tier_kv(target, ids: list[int], tier: str):
+    """The target's cache over `ids` at `tier`, as a served prefill stores it."""
+    import torch
+
+    from engine.forward import forward_logits
+    from engine.kv.cache import new_cache
+    from engine.prefix_cache import kv_of
+
+    with torch.inference_mode():
+        _, cache = forward_logits(target, ids, new_cache(target, tier), 1)
+    return kv_of(cache, len(ids))
+
+
+def code_once(kv, ids, tier: str, kit, window: int) -> dict:
+    """Offload `kv` coded in windows of `window` into host memory and restore it: sizes, times
+    per window, exactness."""
+    from engine.kv.offload import SlowTier, Timing, offload, restore, tier_kv
+
+    slow = SlowTier()
+    t0 = time.perf_counter()
+    mu = kit.mu(tier)
+    off = offload(kv, ids, tier, slow, "bench", window, kit.codec(tier), mu)
+    encode_s = time.perf_counter() - t0
+    timing = Timing()
+    back = restore(off, slow, kit.codec(tier), kit.mu(tier), timing)
+    exact = tier_kv(back, tier).equals(tier_kv(kv, tier))
+    scalars = tier_kv(kv, tier).codes.size
+    mu_s = sum(timing.mu)
+    return dict(off=off, slow=slow, bits=8 * off.stored_bytes / scalars, raw_bits=8 * off.raw_bytes / scalars,
+                exact=exact, encode_s=encode_s - mu_s, mu_s=timing.mu, decode_s=timing.decode,
+                encode_mb_s=off.raw_bytes / max(encode_s - mu_s, 1e-9) / 1e6,
+                decode_mb_s=off.raw_bytes / sum(timing.decode) / 1e6, scalars=scalars)
+
+
+def restore_model(res: dict, latency_ms: float = 0.0) -> dict:
+    """Restore seconds at each bandwidth, coded (the pipeline) against raw (the stored bytes)."""
+    from engine.kv.pipeline import Link, breakeven_gbit_s, pipelined_seconds
+
+    off = res["off"]
+    raw_sizes = [off.raw_bytes * (hi - lo) // len(off.tokens) for lo, hi in off.windows()]
+    rows = []
+    for b in BANDWIDTHS:
+        link = Link(b, latency_ms)
+        rows.append(dict(gbit_s=b, coded_s=pipelined_seconds([link.seconds(n) for n in off.sizes], res["mu_s"], res["decode_s"]),
+                         raw_s=sum(link.seconds(n) for n in raw_sizes)))
+    return dict(rows=rows, breakeven_gbit_s=breakeven_gbit_s(off.sizes, raw_sizes, res["mu_s"], res["decode_s"], latency_ms))
+
+
+def checked_restore(res: dict, kit) -> dict:
+    """One real pipelined restore over a link sleeping CHECK_GBIT_S, against the model's figure."""
+    from engine.kv.offload import SlowTier, Timing, restore
+    from engine.kv.pipeline import Link, pipelined_seconds
+
+    off, link = res["off"], Link(CHECK_GBIT_S)
+    slow = SlowTier(link=link)
+    for i in range(len(off.sizes)):
+        slow.put(off.part(i), res["slow"].get(off.part(i)))
+    timing = Timing()
+    restore(off, slow, kit.codec(off.tier), kit.mu(off.tier), timing)
+    modelled = pipelined_seconds([link.seconds(n) for n in off.sizes], timing.mu, timing.decode)
+    return dict(gbit_s=CHECK_GBIT_S, measured_s=timing.wall, modelled_s=modelled)
+
+
+def predictor_cost(target, kit, ids: list[int], window: int, reps: int = 2) -> float:
+    """The predictor's reads of the context (in windows, as the codec runs it) over the target's
+    prefill of the same tokens, timed in turns."""
+    import torch
+
+    from engine.common import medians_ms
+    from engine.forward import forward_logits
+    from engine.kv.cache import new_cache
+
+    def mu() -> None:
+        m = kit.mu()
+        for lo in range(0, len(ids), window):
+            m.next(ids[lo: lo + window])
+
+    def prefill() -> None:
+        with torch.inference_mode():
+            forward_logits(target, ids, new_cache(target), 1)
+
+    ms = medians_ms([mu, prefill], reps)
+    return ms[0] / ms[1]
+
+
+def coding(a, target, tokenizer) -> dict:
+    """Everything but acceptance: per predictor and tier at the main context and W, then the
+    W and context sweeps with the best predictor."""
+    from engine.kv.calibration import codec_kit, conversation_ids
+    from engine.kv.offload import tier_kv
+    from engine.kv.tiers import KV_TIERS
+
+    n_max = max([a.context] + a.contexts)
+    ids_all = conversation_ids(tokenizer, n_max, "heldout")
+    ids = ids_all[: a.context]
+    kvs = {tier: _tier_kv(target, ids, tier) for tier in KV_TIERS}
+    out: dict = dict(context_tokens=a.context, window=a.window, predictors={}, tiers={})
+    kits, results = {}, {}
+    for kind in a.predictors:
+        t0 = time.perf_counter()
+        kits[kind] = codec_kit(target, kind, a.target, tokenizer)
+        for tier in KV_TIERS:  # fitted (or loaded) before anything is timed
+            kits[kind].codec(tier)
+        print(f"  predictor {kind}: fitted in {time.perf_counter() - t0:.0f} s", file=sys.stderr)
+        t0 = time.perf_counter()
+        results[kind] = {tier: code_once(kvs[tier], ids, tier, kits[kind], a.window) for tier in KV_TIERS}
+        r = results[kind]
+        t1 = time.perf_counter()
+        out["predictors"][kind] = dict(
+            native_bits=r["native"]["bits"], fp8_bits_coded=r["fp8"]["bits"], int8_bits_coded=r["int8"]["bits"],
+            encode_mb_s=r["native"]["encode_mb_s"], decode_mb_s=r["native"]["decode_mb_s"],
+            fp8_decode_mb_s=r["fp8"]["decode_mb_s"], exact=all(x["exact"] for x in r.values()),
+            predictor_frac=predictor_cost(target, kits[kind], ids, a.window))
+        print(f"  predictor {kind}: coded in {t1 - t0:.0f} s, its cost timed in {time.perf_counter() - t1:.0f} s", file=sys.stderr)
+    best = min(out["predictors"], key=lambda k: out["predictors"][k]["native_bits"])
+    kit, r = kits[best], results[best]
+    scalars = r["native"]["scalars"]
+    zstd = {tier: _zstd_bits(tier_kv(kvs[tier], tier), scalars) for tier in KV_TIERS}
+    restores = {tier: restore_model(r[tier]) for tier in KV_TIERS}
+    for tier in KV_TIERS:
+        per_token = lambda xs: sum(xs) / a.context  # noqa: E731
+        off = r[tier]["off"]
+        out["tiers"][tier] = dict(bits=r[tier]["raw_bits"], bits_coded=r[tier]["bits"], zstd19_bits=zstd[tier],
+                                  bytes_per_token=off.raw_bytes / a.context, coded_bytes_per_token=off.stored_bytes / a.context,
+                                  mu_s_per_token=per_token(r[tier]["mu_s"]), decode_s_per_token=per_token(r[tier]["decode_s"]),
+                                  decode_mb_s=r[tier]["decode_mb_s"], encode_mb_s=r[tier]["encode_mb_s"],
+                                  breakeven_gbit_s=restores[tier]["breakeven_gbit_s"])
+    out["restore"] = [dict(gbit_s=row["gbit_s"], **{f"{tier}_{k}": restores[tier]["rows"][i][k] for tier in KV_TIERS
+                                                    for k in ("raw_s", "coded_s")})
+                      for i, row in enumerate(restores["native"]["rows"])]
+    t0 = time.perf_counter()
+    out["restore_check"] = checked_restore(r["native"], kit)
+    print(f"  a real restore at {CHECK_GBIT_S:g} Gbit/s in {time.perf_counter() - t0:.0f} s", file=sys.stderr)
+    t0 = time.perf_counter()
+    p = out["predictors"][best]
+    out.update(best_predictor=best, native_bits=p["native_bits"], fp8_bits=r["fp8"]["raw_bits"],
+               fp8_bits_coded=p["fp8_bits_coded"], int8_bits=r["int8"]["raw_bits"], int8_bits_coded=p["int8_bits_coded"],
+               zstd19_native_bits=zstd["native"], zstd19_fp8_bits=zstd["fp8"], zstd19_int8_bits=zstd["int8"],
+               encode_mb_s=p["encode_mb_s"], decode_mb_s=p["decode_mb_s"], predictor_frac=p["predictor_frac"],
+               breakeven_gbit_s=restores["native"]["breakeven_gbit_s"],
+               roundtrip_exact=all(x["exact"] for rr in results.values() for x in rr.values()))
+    # W: the same context in other windows; context: other lengths at the main W.
+    out["by_window"] = []
+    for w in sorted({w for w in a.windows + [a.window] if w <= a.context}):
+        rn, rf = (r["native"], r["fp8"]) if w == a.window else \
+            (code_once(kvs["native"], ids, "native", kit, w), code_once(kvs["fp8"], ids, "fp8", kit, w))
+        out["by_window"].append(dict(window=w, native_bits=rn["bits"], fp8_bits_coded=rf["bits"], decode_mb_s=rn["decode_mb_s"],
+                                     exact=rn["exact"] and rf["exact"],
+                                     restore_s_1gbit=restore_model(rn)["rows"][BANDWIDTHS.index(1.0)]["coded_s"]))
+        out["roundtrip_exact"] &= out["by_window"][-1]["exact"]
+    print(f"  the W sweep in {time.perf_counter() - t0:.0f} s", file=sys.stderr)
+    t0 = time.perf_counter()
+    out["by_context"] = []
+    for n in a.contexts:
+        sub = ids_all[:n]
+        kn = kvs["native"] if n == a.context else _tier_kv(target, sub, "native")
+        kf = kvs["fp8"] if n == a.context else _tier_kv(target, sub, "fp8")
+        rn, rf = (r["native"], r["fp8"]) if n == a.context else \
+            (code_once(kn, sub, "native", kit, min(a.window, n)), code_once(kf, sub, "fp8", kit, min(a.window, n)))
+        out["by_context"].append(dict(context=n, native_bits=rn["bits"], fp8_bits_coded=rf["bits"],
+                                      decode_mb_s=rn["decode_mb_s"], exact=rn["exact"] and rf["exact"]))
+        out["roundtrip_exact"] &= out["by_context"][-1]["exact"]
+    print(f"  the context sweep in {time.perf_counter() - t0:.0f} s", file=sys.stderr)
+    return out
+
+
+def acceptance(a) -> list[dict]:
+    """Per (weight tier × KV tier): traces of held-out prompts, replayed under each fixed γ with
+    that tier's cost table; acceptance is the share of positions whose first drafted token the
+    target kept (what α a controller sees)."""
+    from engine.kv.tiers import KV_TIERS
+    from engine.models import load_pair
+    from engine.profiling import measure_costs
+    from engine.service import prompt_set, replay_all, trace_prompts
+    from store import Store
+
+    prompts = prompt_set("heldout", a.prompts_per_task)
+    rows = []
+    with Store(":memory:") as st:
+        for tier in a.acceptance_tiers:
+            pair = load_pair(a.target, None, tier)
+            for kv_tier in KV_TIERS:
+                t0 = time.perf_counter()
+                st.add_costs(measure_costs(pair, COST_BUCKETS, COST_REPS, kv_tier=kv_tier).to_rows(COST_REPS))
+                t1 = time.perf_counter()
+                trace_prompts(st, pair, prompts, a.max_new_tokens, kv_tier=kv_tier)
+                print(f"  {tier}/{kv_tier}: costs {t1 - t0:.0f} s, traces {time.perf_counter() - t1:.0f} s", file=sys.stderr)
+            del pair
+        positions = st.trace_positions()
+        traces = st.traces()
+        first = positions.merge(traces[["trace_id", "target_tier", "kv_tier"]], on="trace_id")
+        reps = replay_all(st, ["ar"] + [f"fixed:{g}" for g in GAMMAS if g])
+        for tier in a.acceptance_tiers:
+            for kv_tier in KV_TIERS:
+                sel = first[(first.target_tier == tier) & (first.kv_tier == kv_tier)]
+                tps = {}
+                for spec in ["ar"] + [f"fixed:{g}" for g in GAMMAS if g]:
+                    rr = [r for r in reps if r.policy == spec and r.target_tier == tier and r.kv_tier == kv_tier]
+                    tokens, ms = sum(r.n_tokens - 1 for r in rr), sum(r.decode_ms or 0 for r in rr)
+                    tps[spec] = tokens / (ms / 1e3) if ms else None
+                best = max(tps, key=lambda s: tps[s] or 0)
+                rows.append(dict(target_tier=tier, kv_tier=kv_tier, positions=len(sel),
+                                 acceptance=float((sel.accept_len > 0).mean()) if len(sel) else None,
+                                 mean_accept_len_at_4=float(sel.accept_len.clip(upper=4).mean()) if len(sel) else None,
+                                 best_gamma=0 if best == "ar" else int(best.split(":")[1]),
+                                 best_vs_ar=(tps[best] / tps["ar"]) if tps.get("ar") else None, tokens_per_s=tps))
+    return rows
+
+
+def parse(argv: list[str] | None) -> argparse.Namespace:
+    from engine.models import TIERS
+
+    p = argparse.ArgumentParser(prog="bench kv", description=__doc__.splitlines()[0])
+    p.add_argument("--target", default=None, help="HF id or local dir (default: the embedded model)")
+    p.add_argument("--target-tier", default="bf16", choices=TIERS, help="the tier whose KV is coded")
+    p.add_argument("--device", default=None)
+    p.add_argument("--predictors", default="q8_0,int8,nf4", help="comma-separated: q8_0, int8, nf4")
+    p.add_argument("--context", type=int, default=2048, help="tokens of held-out text coded")
+    p.add_argument("--window", type=int, default=512, help="the prefetch window W")
+    p.add_argument("--windows", default="256,1024,2048", help="the W sweep (beside --window)")
+    p.add_argument("--contexts", default="512,1024,2048", help="the context sweep")
+    p.add_argument("--acceptance-tiers", default="fp32,bf16", help="weight tiers for the acceptance table ('' skips it)")
+    p.add_argument("--prompts-per-task", type=int, default=1, help="held-out prompts per task traced per tier pair")
+    p.add_argument("--max-new-tokens", type=int, default=24)
+    p.add_argument("--full", action="store_true", help="the long sweep: 8K context, W up to 4096, more prompts")
+    p.add_argument("--quick", action="store_true", help="the workbench's short run: q8_0 only, 1024 tokens, no acceptance")
+    p.add_argument("--json", action="store_true")
+    add_db_arg(p, "DuckDB file the measurement is stored in ('' stores nothing)")
+    a = p.parse_args(argv)
+    if a.full:
+        a.context, a.windows, a.contexts, a.prompts_per_task = 8191, "256,1024,2048,4096", "512,1024,2048,4096,8191", 4
+    if a.quick:
+        a.predictors, a.context, a.windows, a.contexts, a.acceptance_tiers = "q8_0", 1024, "256,1024", "512,1024", ""
+    try:
+        a.predictors = [k for k in a.predictors.split(",") if k]
+        a.windows = [int(w) for w in a.windows.split(",") if w]
+        a.contexts = [int(n) for n in a.contexts.split(",") if n]
+        a.acceptance_tiers = [t for t in a.acceptance_tiers.split(",") if t]
+    except ValueError:
+        p.error("--windows and --contexts take comma-separated integers")
+    if not 1 <= a.window <= a.context or any(w < 1 for w in a.windows) or any(n < 2 for n in a.contexts):
+        p.error(f"W must be between 1 and the context ({a.context}); windows ≥ 1; contexts ≥ 2")
+    return a
+
+
+def run(argv: list[str] | None = None) -> dict:
+    """Measures, stores (unless --db ''), and returns the result."""
+    import torch
+
+    from engine.models import load_model, load_tokenizer, resolve_device
+    from store import Store
+
+    a = parse(argv)
+    device = resolve_device(a.device)
+    t0 = time.perf_counter()
+    tokenizer = load_tokenizer(a.target)
+    target = load_model(a.target, a.target_tier, device)
+    limit = int(getattr(target.config.get_text_config(), "max_position_embeddings", 1 << 30))
+    if max([a.context] + a.contexts) > limit:
+        raise ValueError(f"a context of {max([a.context] + a.contexts)} tokens is over the target's {limit}")
+    name = Path(a.target).name if a.target else "SmolLM2-135M-Instruct"
+    res = dict(target=name, target_tier=a.target_tier, device=str(device), threads=torch.get_num_threads())
+    res.update(coding(a, target, tokenizer))
+    del target
+    res["acceptance"] = acceptance(a) if a.acceptance_tiers else []
+    res["seconds"] = time.perf_counter() - t0
+    if a.db:
+        with Store(a.db, wait_s=10.0) as st:
+            res["measurement_id"] = st.add_kv_measurement(dict(device=res["device"], target=name, target_tier=a.target_tier,
+                                                               kind="bench", result=res))
+    return res
+
+
+def report(res: dict) -> str:
+    lines = [f"KV coding, {res['target']} ({res['target_tier']}) on {res['device']}, {res['context_tokens']} held-out "
+             f"ShareGPT tokens, W = {res['window']}; bits per scalar with headers and checksums"]
+    for kind, p in res["predictors"].items():
+        lines.append(f"  predictor {kind:5} native {p['native_bits']:.3f}  fp8+coding {p['fp8_bits_coded']:.3f}  "
+                     f"int8+coding {p['int8_bits_coded']:.3f}  encode {p['encode_mb_s']:.1f} MB/s  decode "
+                     f"{p['decode_mb_s']:.1f} MB/s  predictor {p['predictor_frac']:.2f}× the target's prefill  exact {p['exact']}")
+    for tier, t in res["tiers"].items():
+        lines.append(f"  {tier:6} alone {t['bits']:.3f} bits  coded {t['bits_coded']:.3f} ({t['bits'] / t['bits_coded']:.2f}×)  "
+                     f"zstd-19 {t['zstd19_bits']:.3f} (coded {t['zstd19_bits'] / t['bits_coded']:.2f}× better)  "
+                     f"{t['coded_bytes_per_token'] / 1024:.2f} KiB/token coded  break-even {t['breakeven_gbit_s']:.3g} Gbit/s")
+    lines.append("  restore s (coded / raw):  " + "  ".join(
+        f"{r['gbit_s']:g} Gbit/s native {r['native_coded_s']:.2f}/{r['native_raw_s']:.2f} fp8 {r['fp8_coded_s']:.2f}/{r['fp8_raw_s']:.2f}"
+        for r in res["restore"]))
+    c = res["restore_check"]
+    lines.append(f"  a real pipelined restore at {c['gbit_s']:g} Gbit/s: {c['measured_s']:.2f} s measured, {c['modelled_s']:.2f} s modelled")
+    lines.append("  by W:        " + "  ".join(f"W {r['window']}: {r['native_bits']:.3f}/{r['fp8_bits_coded']:.3f} bits "
+                                             f"{r['decode_mb_s']:.1f} MB/s" for r in res["by_window"]))
+    lines.append("  by context:  " + "  ".join(f"{r['context']}: {r['native_bits']:.3f}/{r['fp8_bits_coded']:.3f} bits "
+                                             f"{r['decode_mb_s']:.1f} MB/s" for r in res["by_context"]))
+    for r in res["acceptance"]:
+        tps = "  ".join(f"{k} {v:.1f}" for k, v in r["tokens_per_s"].items() if v)
+        lines.append(f"  acceptance {r['target_tier']}/{r['kv_tier']:6} {r['acceptance']:.3f} (L≤4 mean {r['mean_accept_len_at_4']:.2f}) "
+                     f"best γ {r['best_gamma']} ({r['best_vs_ar']:.3f}× ar)  tok/s {tps}")
+    lines.append(f"native_bits {res['native_bits']:.3f}  fp8_bits_coded {res['fp8_bits_coded']:.3f}  zstd19 "
+                 f"{res['zstd19_native_bits']:.3f}/{res['zstd19_fp8_bits']:.3f}  decode {res['decode_mb_s']:.1f} MB/s  "
+                 f"roundtrip_exact {res['roundtrip_exact']}  breakeven {res['breakeven_gbit_s']:.3g} Gbit/s  "
+                 f"({res['seconds']:.0f} s)")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    res = run(argv)
+    print(json.dumps(res) if "--json" in (argv if argv is not None else sys.argv[1:]) else report(res))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
