@@ -32,31 +32,32 @@ def prompt_set(which: str, per_task: int | None) -> list[tuple[str, str]]:
     return sets[which]()
 
 
+def _known(text: str, known: tuple[str, ...], what: str) -> list[str]:
+    """Comma-separated names, each one of `known`, at least one."""
+    names = csv_list(text)
+    bad = [t for t in names if t not in known]
+    if bad or not names:
+        raise ValueError(f"unknown {what}(s) {', '.join(bad) or '(none)'}; known: {', '.join(known)}")
+    return names
+
+
 def parse_tiers(text: str) -> list[str]:
     from engine.models import TIERS
 
-    tiers = csv_list(text)
-    bad = [t for t in tiers if t not in TIERS]
-    if bad or not tiers:
-        raise ValueError(f"unknown tier(s) {', '.join(bad) or '(none)'}; known: {', '.join(TIERS)}")
-    return tiers
+    return _known(text, TIERS, "tier")
 
 
 def parse_kv_tiers(text: str) -> list[str]:
     """Comma-separated KV tiers (native, fp8, int8), checked."""
     from engine.kv.tiers import KV_TIERS
 
-    tiers = csv_list(text)
-    bad = [t for t in tiers if t not in KV_TIERS]
-    if bad or not tiers:
-        raise ValueError(f"unknown KV tier(s) {', '.join(bad) or '(none)'}; known: {', '.join(KV_TIERS)}")
-    return tiers
+    return _known(text, KV_TIERS, "KV tier")
 
 
-# -- costs -------------------------------------------------------------------------------------
 ALPHA_MIN_STEPS = 32  # drafting steps of stored runs before their acceptance replaces rakv's default prior
 
 
+# -- costs -------------------------------------------------------------------------------------
 def cost_key(pair, kv_tier: str = "native") -> tuple:
     """(device, target, draft, target tier, draft tier, KV tier): what a cost table is measured for."""
     return (str(pair.device), pair.target_name, pair.draft_name, pair.target_tier, pair.draft_tier, kv_tier)

@@ -9,7 +9,7 @@ import streamlit as st
 
 from engine.common import default_db, one_line
 from engine.models import EMBEDDED_LABEL, load_pair, resolve_device
-from engine.prefix_cache import PrefixCache
+from engine.prefix_cache import PrefixCache, spilling
 from engine.service import store_run
 
 _KEYS = {"target": "speclab_target", "draft": "speclab_draft", "db": "speclab_db"}
@@ -74,7 +74,7 @@ def _pair(target: str | None, draft: str | None, target_tier: str):
 
 @st.cache_resource(show_spinner=False, max_entries=4)
 def _prefix_cache(target: str | None, draft: str | None, target_tier: str, budget_mib: int) -> PrefixCache:
-    return PrefixCache(budget_mib * 2**20)
+    return spilling(budget_mib * 2**20)  # evicted entries spill to a temporary folder, 4× the budget
 
 
 def get_prefix_cache(s: Settings, target_tier: str, budget_mib: int) -> PrefixCache:

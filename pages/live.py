@@ -218,7 +218,9 @@ def show_result(res: dict, out_ph, chart_ph) -> None:
     p = res["prefix"]
     st.caption(f"Prefix cache: {p['entries']} entries, {p['bytes'] / 2**20:.1f} of {p['budget_bytes'] / 2**20:.0f} MiB; "
                f"{p['lookups']} lookups → {p['exact_hits']} exact, {p['partial_hits']} partial, {p['misses']} misses; "
-               f"{p['reused_tokens']} tokens reused; {p['evictions']} evicted, {p['refused']} refused")
+               f"{p['reused_tokens']} tokens reused; {p['evictions']} evicted, {p['refused']} refused; "
+               f"{p.get('spilled_entries', 0)} spilled to disk ({p.get('spill_bytes', 0) / 2**20:.1f} MiB), "
+               f"{p.get('spill_hits', 0)} brought back")
     show_saved(res["saved"])
     st.dataframe(pd.DataFrame(res["steps"], columns=TABLE_COLUMNS), hide_index=True,
                  width="stretch")

@@ -98,3 +98,32 @@ def test_prefix_bench_compares_reuse_against_recompute_on_every_workload(tiny_pa
     for w in res["workloads"].values():
         rounds = {c: {x["rounds"] for x in w[c]["requests"]} for c in w}
         assert all(len(r) == 1 for r in rounds.values()) and {2} in rounds.values()
+
+
+def test_kv_bench_codes_restores_and_tabulates_acceptance_on_a_tiny_pair(tiny_dirs, monkeypatch, tmp_path):
+    """Every figure `bench kv` reports, on a tiny random target (its fp32 cache): exact round
+    trips, fewer coded bits than stored, restore times that fall with bandwidth and cross at the
+    break-even, the W and context sweeps, and acceptance per weight tier × KV tier."""
+    from bench import kv
+    from engine.models import load_model, load_tokenizer
+    import torch
+
+    monkeypatch.setenv("SPECLAB_CACHE", str(tmp_path))
+    target, draft = tiny_dirs
+    a = kv.parse(["--target", str(target), "--draft", str(draft), "--target-tier", "fp32", "--context", "96",
+                  "--window", "32", "--windows", "16,96", "--contexts", "48,96", "--predictors", "q8_0",
+                  "--acceptance-tiers", "fp32", "--prompts-per-task", "1", "--max-new-tokens", "6", "--db", ""])
+    res = kv.coding(a, load_model(str(target), "fp32", torch.device("cpu")), load_tokenizer(str(target)))
+    assert res["roundtrip_exact"] and res["best_predictor"] == "q8_0"
+    assert res["native_bits"] < res["tiers"]["native"]["bits"] == 32 and res["fp8_bits"] == 8 + 8 / 8  # head dim 8
+    for row in res["restore"]:
+        for tier in ("native", "fp8", "int8"):
+            assert row[f"{tier}_coded_s"] > 0 and row[f"{tier}_raw_s"] > 0
+    be = res["breakeven_gbit_s"]
+    faster_raw = [r["native_raw_s"] < r["native_coded_s"] for r in res["restore"]]
+    assert faster_raw == [r["gbit_s"] > be for r in res["restore"]]  # the break-even splits the table
+    assert [r["window"] for r in res["by_window"]] == [16, 32, 96] and [r["context"] for r in res["by_context"]] == [48, 96]
+    assert res["restore_check"]["measured_s"] > 0
+    rows = kv.acceptance(a)
+    assert [(r["target_tier"], r["kv_tier"]) for r in rows] == [("fp32", t) for t in ("native", "fp8", "int8")]
+    assert all(0 <= r["acceptance"] <= 1 and r["best_gamma"] in kv.GAMMAS and r["tokens_per_s"]["ar"] > 0 for r in rows)

@@ -228,3 +228,20 @@ def test_greedy_output_after_a_spilled_hit_equals_output_without_reuse(tiny_pair
     again = Generation(tiny_pair, ids_a, make_policy("fixed:3"), cfg, prefix=cache).run()
     assert again.summary.prefix_hit == "exact" and cache.stats()["spill_hits"] == 1
     assert again.token_ids == cold.token_ids
+
+
+def test_the_workbench_cache_spills_to_a_folder_of_its_own():
+    from pathlib import Path
+
+    size = entry(range(10)).nbytes
+    cache = pc.spilling(size + 1, window=5)
+    folder = Path(cache.spill.slow.folder)
+    cache.put(entry(range(10)))
+    cache.put(entry(range(10, 20)))
+    assert len(list(folder.glob("*.kvw"))) == 2 and cache.stats()["spill_bytes"] <= 4 * (size + 1)
+    assert cache.lookup(KEY, list(range(10))).kind == "exact"
+    del cache
+    import gc
+
+    gc.collect()
+    assert not folder.exists()  # the temporary folder goes with the cache

@@ -306,7 +306,7 @@ def predicted_side(tier: str, mu: np.ndarray) -> np.ndarray:
 
 
 # ---- the coder ----------------------------------------------------------------------------------
-CHUNK = 1 << 16  # numbers coded per pass: the passes' arrays stay in cache
+CHUNK = 1 << 17  # numbers coded per pass: the passes' arrays stay in cache
 
 
 def _exponent(v: np.ndarray) -> np.ndarray:

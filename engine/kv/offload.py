@@ -91,8 +91,9 @@ class MuStream:
     next n tokens after those already read. Both sides of the codec read the same windows.
 
     The predictor's own cache is at the target's KV tier: at a lossy tier the target attends to
-    quantized keys and values, and a predictor that does the same follows it (at fp8 on the
-    embedded target, 2.7 → 1.4 bits a scalar against one that attends to its exact KV)."""
+    quantized keys and values, and a predictor that does the same follows it (on the
+    embedded target's fp8 cache, 2.72 → 2.59 bits a scalar with the same statistics, 1024
+    held-out tokens)."""
 
     def __init__(self, model: torch.nn.Module, tier: str = "native") -> None:
         self.model, self.tier = model, tier

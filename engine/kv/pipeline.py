@@ -6,6 +6,7 @@ runs exactly this, with a fetch thread for the link)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 
 @dataclass(frozen=True)
@@ -34,22 +35,26 @@ def pipelined_seconds(transfer: list[float], mu: list[float], decode: list[float
     return done
 
 
-def breakeven_gbit_s(coded_sizes: list[int], raw_sizes: list[int], mu: list[float], decode: list[float],
-                     latency_ms: float = 0.0) -> float:
-    """The link bandwidth above which moving the raw stored bytes restores faster than the
-    coded pipeline (below it coding wins); inf if coding always wins, 0 if it never does."""
-    def gap(b: float) -> float:
-        link = Link(b, latency_ms)
-        coded = pipelined_seconds([link.seconds(n) for n in coded_sizes], mu, decode)
-        raw = sum(link.seconds(n) for n in raw_sizes)
-        return coded - raw
-
+def crossing_gbit_s(gap: Callable[[float], float]) -> float:
+    """The bandwidth where `gap(b)` (coded − raw restore seconds, rising with b) crosses zero,
+    by bisection on log bandwidth: inf if coding always wins, 0 if it never does."""
     lo, hi = 1e-4, 1e5
     if gap(hi) < 0:
         return float("inf")
     if gap(lo) > 0:
         return 0.0
-    for _ in range(80):  # bisection on log bandwidth
+    for _ in range(80):
         mid = (lo * hi) ** 0.5
         lo, hi = (mid, hi) if gap(mid) < 0 else (lo, mid)
     return (lo * hi) ** 0.5
+
+
+def breakeven_gbit_s(coded_sizes: list[int], raw_sizes: list[int], mu: list[float], decode: list[float],
+                     latency_ms: float = 0.0) -> float:
+    """The link bandwidth above which moving the raw stored bytes restores faster than the
+    coded pipeline (below it coding wins)."""
+    def gap(b: float) -> float:
+        link = Link(b, latency_ms)
+        return pipelined_seconds([link.seconds(n) for n in coded_sizes], mu, decode) - sum(link.seconds(n) for n in raw_sizes)
+
+    return crossing_gbit_s(gap)

@@ -4,8 +4,9 @@ over the same tokens, whose KV is the codec's μ (docs/architecture.md, "KV codi
 Kinds:
 - `q8_0`: the target's linear weights as int8 in blocks of 32 with one absmax scale each (GGUF's
   Q8_0), computed in float32. Weight-only: activations are not quantized, so its KV errs by the
-  weights' rounding alone. Measured on the embedded target's bf16 cache (2048 held-out ShareGPT
-  tokens, ideal code lengths): 5.0 bits a scalar, against 6.9 for `int8` and 8.6 for `nf4`.
+  weights' rounding alone. Measured on the embedded target's bf16 cache (`bench kv`: 2048
+  held-out ShareGPT tokens, coded bytes): 4.65 bits a scalar, against 6.63 for `int8` and 8.19
+  for `nf4`.
 - `int8`, `nf4`: the target loaded at that bitsandbytes weight tier (LLM.int8 quantizes the
   activations too; the blog post's prototype predictor).
 
@@ -60,14 +61,3 @@ def predictor_of(target: torch.nn.Module, kind: str, source: str | None = None) 
             if isinstance(m, torch.nn.Linear) and m is not model.get_output_embeddings():
                 m.weight.copy_(q8_0(m.weight))
     return model
-
-
-@torch.no_grad()
-def predict_kv(model: torch.nn.Module, ids: list[int]) -> np.ndarray:
-    """μ: the predictor's keys and values over `ids`, float32 [2 (K, V), layers, kv heads, S, D].
-    The decoder layers only: the LM head is never needed."""
-    body = model.get_decoder() if hasattr(model, "get_decoder") else model.model
-    out = body(input_ids=torch.tensor([ids], device=model.device), use_cache=True)
-    layers = out.past_key_values.layers
-    return np.stack([np.stack([layer.keys[0].float().cpu().numpy(), layer.values[0].float().cpu().numpy()])
-                     for layer in layers], 1)

@@ -37,7 +37,7 @@ import numbers
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any, Callable, Mapping, Sequence
 
-from engine.kv.pipeline import pipelined_seconds
+from engine.kv.pipeline import crossing_gbit_s, pipelined_seconds
 
 # The KV tiers (engine/kv/tiers.py's KV_TIERS, not imported: that module needs torch).
 KV_TIERS = ("native", "fp8", "int8")
@@ -291,18 +291,8 @@ def modelled_breakeven(cost: TierCost, context: int, window: int) -> float | Non
     if cost.raw_bytes is None or cost.coded_bytes is None:
         return None
 
-    def gap(b: float) -> float:
-        return restore_seconds(cost, context, window, b, True) - restore_seconds(cost, context, window, b, False)
-
-    lo, hi = 1e-4, 1e5
-    if gap(hi) < 0:
-        return math.inf
-    if gap(lo) > 0:
-        return 0.0
-    for _ in range(60):  # bisection on log bandwidth
-        mid = (lo * hi) ** 0.5
-        lo, hi = (mid, hi) if gap(mid) < 0 else (lo, mid)
-    return (lo * hi) ** 0.5
+    return crossing_gbit_s(lambda b: restore_seconds(cost, context, window, b, True)
+                           - restore_seconds(cost, context, window, b, False))
 
 
 def measured_breakeven(m: Mapping, tier: str) -> float | None:
