@@ -332,7 +332,7 @@ def report(res: dict) -> str:
              f"ShareGPT tokens, W = {res['window']}; bits per scalar with headers and checksums"]
     for kind, p in res["predictors"].items():
         lossy = "  ".join(f"{t}+coding {p[f'{t}_bits_coded']:.3f}" for t in ("fp8", "int8") if p.get(f"{t}_bits_coded"))
-        lines.append(f"  predictor {kind:5} native {p['native_bits']:.3f}  {lossy}  encode {p['encode_mb_s']:.1f} MB/s  decode "
+        lines.append(f"  predictor {kind:5} native {p['native_bits']:.3f}  {lossy + '  ' if lossy else ''}encode {p['encode_mb_s']:.1f} MB/s  decode "
                      f"{p['decode_mb_s']:.1f} MB/s  predictor {p['predictor_frac']:.2f}× the target's prefill  exact {p['exact']}")
     for tier, t in res["tiers"].items():
         lines.append(f"  {tier:6} alone {t['bits']:.3f} bits  coded {t['bits_coded']:.3f} ({t['bits'] / t['bits_coded']:.2f}×)  "
