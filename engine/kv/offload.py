@@ -26,8 +26,9 @@ import torch
 
 from engine.kv.cache import GrowingCache, GrowingLayer
 from engine.kv.pipeline import Link
-from engine.kv.codec import CodecError, KVCodec, TierKV, WindowHead, concat, decode_raw_window, encode_raw_window
-from engine.kv.tiers import KV_TIERS, Quantized
+from engine.kv.codec import (RAW_DTYPES, CodecError, KVCodec, TierKV, WindowHead, concat, decode_raw_window,
+                             encode_raw_window)
+from engine.kv.tiers import KV_TIERS, Quantized, bytes_per_token
 
 GRID_OF_DTYPE = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
 TORCH_RAW = {"bf16": torch.int16, "fp16": torch.int16, "fp32": torch.int32}
@@ -184,9 +185,8 @@ class Offloaded:
     @property
     def raw_bytes(self) -> int:
         """The stored form's bytes (codes and side numbers), what a raw transfer moves."""
-        L, H, D = self.dims
-        per = {"native": {"fp32": 4}.get(self.grid, 2) * D, "fp8": D + 1, "int8": D + 2}[self.tier]
-        return 2 * L * H * per * len(self.tokens)
+        native_bytes = np.dtype(RAW_DTYPES[self.grid]).itemsize
+        return int(bytes_per_token(self.tier, *self.dims, native_bytes)) * len(self.tokens)
 
     @property
     def stored_bytes(self) -> int:
