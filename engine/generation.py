@@ -13,7 +13,8 @@ from engine.forward import WallClock
 from engine.kv.cache import held_bytes_per_token
 from engine.kv.calibration import CodecKit
 from engine.kv.offload import Offloaded, SlowTier
-from engine.models import KV_TIERS, ModelPair
+from engine.kv.tiers import check_tier
+from engine.models import ModelPair
 from engine.oracles.model import DraftModelProposer, TargetVerifier
 from engine.policies import Policy
 from engine.prefix_cache import PrefixCache
@@ -38,8 +39,7 @@ class GenConfig:
             raise ValueError(f"temperature must be a finite number ≥ 0, got {self.temperature}")
         if not 0 < self.top_p <= 1:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
-        if self.kv_tier not in KV_TIERS:
-            raise ValueError(f"unknown KV tier {self.kv_tier!r}; known: {', '.join(KV_TIERS)}")
+        check_tier(self.kv_tier)
 
 
 def encode_prompt(tokenizer, prompt: str, chat: bool) -> list[int]:

@@ -17,15 +17,9 @@ import functools
 import torch
 from transformers.cache_utils import Cache, DynamicCache, DynamicLayer
 
-from engine.kv.tiers import KV_TIERS, Quantized, dequantize, quantize
+from engine.kv.tiers import Quantized, check_tier, dequantize, quantize
 
 MIN_CAPACITY = 256  # tokens; the first prompt usually fits without a regrowth
-
-
-def check_tier(tier: str) -> str:
-    if tier not in KV_TIERS:
-        raise ValueError(f"unknown KV tier {tier!r}; known: {', '.join(KV_TIERS)}")
-    return tier
 
 
 class GrowingLayer(DynamicLayer):

@@ -28,7 +28,7 @@ from engine.kv.cache import GrowingCache, GrowingLayer
 from engine.kv.pipeline import Link
 from engine.kv.codec import (RAW_DTYPES, CodecError, KVCodec, TierKV, WindowHead, concat, decode_raw_window,
                              encode_raw_window)
-from engine.kv.tiers import KV_TIERS, Quantized, bytes_per_token
+from engine.kv.tiers import Quantized, bytes_per_token, check_tier
 
 GRID_OF_DTYPE = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
 TORCH_RAW = {"bf16": torch.int16, "fp16": torch.int16, "fp32": torch.int32}
@@ -209,20 +209,24 @@ class Timing:
     wall: float = 0.0
 
 
+def _check_fresh(mu: MuStream, tier: str) -> None:
+    """Both sides read μ from the first token, with the predictor's cache at the KV's tier."""
+    if mu.tier != tier or mu.read:
+        raise ValueError(f"the μ stream must be fresh and at the KV's tier {tier} (it is at {mu.tier}, {mu.read} tokens read)")
+
+
 def offload(kv: KV, tokens: list[int] | tuple[int, ...], tier: str, slow: SlowTier, name: str, window: int,
             codec: KVCodec | None = None, mu: MuStream | None = None) -> Offloaded:
     """Moves `kv` (a cache's stored form over `tokens`) into `slow` in windows of `window`
     tokens, coded against `mu` when `codec` is given. Returns the manifest a restore reads."""
-    if tier not in KV_TIERS:
-        raise ValueError(f"unknown KV tier {tier!r}; known: {', '.join(KV_TIERS)}")
-    block = tier_kv(kv, tier)
+    block = tier_kv(kv, check_tier(tier))
     if block.tokens != len(tokens):
         raise ValueError(f"the KV covers {block.tokens} tokens, {len(tokens)} were named")
     check_window(window, len(tokens))
     if (codec is None) != (mu is None):
         raise ValueError("coding needs both a codec and the predictor's μ stream")
-    if mu is not None and (mu.tier != tier or mu.read):
-        raise ValueError(f"the μ stream must be fresh and at the cache's KV tier {tier} (it is at {mu.tier}, {mu.read} tokens read)")
+    if mu is not None:
+        _check_fresh(mu, tier)
     _, L, H, _, D = block.codes.shape
     off = Offloaded(name, tuple(tokens), tier, block.grid, (L, H, D), window,
                     None if codec is None else codec.stats.digest)
@@ -243,8 +247,7 @@ def restore(off: Offloaded, slow: SlowTier, codec: KVCodec | None = None, mu: Mu
             raise ValueError("this KV was offloaded coded: restoring it needs its codec and predictor")
         if codec.stats.digest != off.codec_digest:
             raise CodecError("the KV was coded with another codec (another target, predictor or calibration)")
-        if mu.tier != off.tier or mu.read:
-            raise ValueError(f"the μ stream must be fresh and at the KV's tier {off.tier}")
+        _check_fresh(mu, off.tier)
         if codec.stats.dims != off.dims:
             raise CodecError(f"the codec's target has KV {codec.stats.dims}, the offloaded KV {off.dims}")
     timing = timing if timing is not None else Timing()

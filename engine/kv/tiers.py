@@ -104,3 +104,10 @@ def bytes_per_token(tier: str, layers: int, kv_heads: int, head_dim: int, native
 
 
 KV_TIERS = ("native", "fp8", "int8")
+
+
+def check_tier(tier: str) -> str:
+    """`tier` if it is a KV tier; a one-line ValueError naming the known ones otherwise."""
+    if tier not in KV_TIERS:
+        raise ValueError(f"unknown KV tier {tier!r}; known: {', '.join(KV_TIERS)}")
+    return tier
