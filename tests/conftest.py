@@ -28,3 +28,6 @@ def tiny_pair(tiny_dirs):
 
     target, draft = tiny_dirs
     return load_pair(str(target), str(draft), target_tier="fp32", device="cpu")
+
+
+from apptest import _navigation_mode, app_env  # noqa: E402,F401 - the workbench's AppTest fixtures

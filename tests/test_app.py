@@ -6,46 +6,8 @@ from pathlib import Path
 import pytest
 from streamlit.testing.v1 import AppTest
 
+from apptest import APP, _app, _errors  # noqa: F401 - fixtures: app_env, navigation mode
 from store import Store
-
-APP = Path(__file__).resolve().parents[1] / "app.py"  # AppTest resolves relative paths oddly
-
-
-@pytest.fixture(autouse=True)
-def _navigation_mode(monkeypatch):
-    """AppTest resets PagesManager.uses_pages_directory to None before every run, so with a
-    `pages/` folder beside app.py each rerun takes Streamlit's MPA-v1 path and executes the
-    page file alone, skipping app.py (and its sidebar). A real server sets the flag to False
-    for good once st.navigation has run; do the same here."""
-    from streamlit.runtime.pages_manager import PagesManager
-
-    init = PagesManager.__init__
-
-    def patched(self, *args, **kwargs):
-        init(self, *args, **kwargs)
-        PagesManager.uses_pages_directory = False
-
-    monkeypatch.setattr(PagesManager, "__init__", patched)
-
-
-@pytest.fixture
-def app_env(tiny_dirs, tmp_path, monkeypatch) -> Path:
-    target, draft = tiny_dirs
-    db = tmp_path / "ui.duckdb"
-    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    monkeypatch.setenv("SPECLAB_TARGET", str(target))
-    monkeypatch.setenv("SPECLAB_DRAFT", str(draft))
-    monkeypatch.setenv("SPECLAB_DB", str(db))
-    return db
-
-
-def _app() -> AppTest:
-    at = AppTest.from_file(str(APP), default_timeout=60)
-    return at.run()
-
-
-def _errors(at: AppTest) -> list[str]:
-    return [e.value for e in at.error]
 
 
 def test_app_renders(app_env):
@@ -158,7 +120,7 @@ def test_replay_page_shows_policies_side_by_side_and_retrains(app_env, tiny_pair
             t = trace(tiny_pair, prompt, task, 16)
             s.add_trace(t.row, t.positions)
     at = AppTest.from_file(str(APP), default_timeout=120)
-    at.switch_page("pages/replay.py").run()
+    at.switch_page("pages/retrain.py").run()
     assert not at.exception and not _errors(at)
     assert at.title[0].value == "Replay & retrain"
     table = at.dataframe[0].value
@@ -184,6 +146,6 @@ def test_replay_page_shows_policies_side_by_side_and_retrains(app_env, tiny_pair
 
 def test_replay_page_without_traces_says_what_to_run(app_env):
     at = AppTest.from_file(str(APP), default_timeout=60)
-    at.switch_page("pages/replay.py").run()
+    at.switch_page("pages/retrain.py").run()
     assert not at.exception and not _errors(at)
     assert "python -m engine trace" in at.info[0].value

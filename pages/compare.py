@@ -1,0 +1,4 @@
+"""compare page (being written)."""
+import streamlit as st
+
+st.title("Compare")

@@ -1,0 +1,4 @@
+"""export page (being written)."""
+import streamlit as st
+
+st.title("Export")

@@ -1,0 +1,4 @@
+"""profile page (being written)."""
+import streamlit as st
+
+st.title("Profile")

@@ -1,0 +1,4 @@
+"""runs page (being written)."""
+import streamlit as st
+
+st.title("Runs")
