@@ -99,10 +99,15 @@ class Generation:
         clock = WallClock(pair.device)
         t_start = clock()
         with torch.inference_mode():
-            for rec in decode(proposer, verifier, self.policy, Setting(n_prompt, budget, pair.target_tier, cfg.kv_tier), clock):
-                self.records.append(rec)
-                self.token_ids.extend(rec.token_ids)
-                yield rec
+            try:
+                for rec in decode(proposer, verifier, self.policy, Setting(n_prompt, budget, pair.target_tier, cfg.kv_tier), clock):
+                    self.records.append(rec)
+                    self.token_ids.extend(rec.token_ids)
+                    yield rec
+            except GeneratorExit:  # the consumer stopped early (a Stop button): what ran is a run too
+                if self.records:
+                    self.summary = summarize(self.records, clock() - t_start, "stopped", verifier.hit.kind)
+                raise
             wall_ms = clock() - t_start
             verifier.ensure_cache()  # paused after its last token: the cache is still away
             self.kv_bytes_per_token = held_bytes_per_token(verifier.cache)

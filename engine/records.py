@@ -94,7 +94,7 @@ class RunSummary:
     tokens_per_step: float  # tokens emitted per decode step (prefill excluded)
     mean_accepted: float  # drafted tokens accepted per step that drafted (bonus token excluded)
     acceptance_rate: float | None  # accepted / drafted over the run; None when nothing was drafted
-    stop_reason: str  # "eos" | "max_new_tokens" | "context"
+    stop_reason: str  # "eos" | "max_new_tokens" | "context" | "stopped" (the consumer ended it early)
     reused_tokens: int = 0  # prompt positions the prefill took from the prefix cache
     prefix_hit: str = "off"  # "off" (no reuse) | "miss" | "partial" | "exact" | "declined" (by the policy)
 

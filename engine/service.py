@@ -3,11 +3,12 @@ action over engine modules and the store (docs/architecture.md, "Layers"). Torch
 functions that need the models receive a loaded pair or import what runs them."""
 from __future__ import annotations
 
+import contextlib
 import importlib
 import os
 import sys
 from pathlib import Path
-from typing import Any, Callable, Iterable
+from typing import Any, Callable, ContextManager, Iterable
 
 import numpy as np
 
@@ -276,11 +277,14 @@ def trace_prompts(st: Store, pair, prompts: list[tuple[str, str]], max_new_token
 
 def profile(st: Store, sweep: str, jobs: list, load: Callable[[str], object], max_new_tokens: int,
             on_start: Callable[[int], None] = lambda n: None, on_run: Callable[[], None] = lambda: None,
-            say: Callable[[str], None] = lambda m: None) -> int:
+            say: Callable[[str], None] = lambda m: None,
+            guard: Callable[[Any], ContextManager[Any]] = lambda job: contextlib.nullcontext()) -> int:
     """Runs the sweep's jobs that have no stored run in it yet, tier by tier (a tier's pair loads
     once, through `load(tier)`), then KV tier by KV tier (the cost table policies weigh is the
     KV tier's); each run is stored as it finishes, so an interrupted sweep keeps what it did and
-    a rerun resumes. Returns how many ran."""
+    a rerun resumes. Whatever runs the models (a KV tier's cost measurement, each run) runs inside
+    `guard(job)`: the workbench takes its decode slot there, and stops a sweep between runs by
+    raising from it (engine/jobs.py). Returns how many ran."""
     from engine.profiling import pending, run_job
 
     done = {(r["target_tier"], r["kv_tier"] if isinstance(r["kv_tier"], str) else "native", r["prompt"], r["policy"])
@@ -292,9 +296,11 @@ def profile(st: Store, sweep: str, jobs: list, load: Callable[[str], object], ma
         for kv_tier in dict.fromkeys(j.kv_tier for j in todo if j.tier == tier):
             mine = [j for j in todo if j.tier == tier and j.kv_tier == kv_tier]
             learned = any(parse_policy(j.policy)[0] in NEEDS_CONTEXT for j in mine)
-            ctx = policy_context(st, pair, say, kv_tier) if learned else None
+            with guard(mine[0]):
+                ctx = policy_context(st, pair, say, kv_tier) if learned else None
             for job in mine:
-                row, steps = run_job(pair, job, ctx, max_new_tokens)
+                with guard(job):
+                    row, steps = run_job(pair, job, ctx, max_new_tokens)
                 st.add_run(dict(row, sweep=sweep), steps)
                 on_run()
         del pair

@@ -12,24 +12,31 @@ from plotly.subplots import make_subplots
 
 from engine.models import KV_TIERS, TIERS
 from engine.service import context_for
-from engine.policies import POLICY_EXAMPLES, make_policy, parse_policy
+from engine.slots import decode_slot
+from engine.policies import DEFAULT_POLICY, POLICY_EXAMPLES, make_policy, parse_policy
 from engine.generation import GenConfig, Generation, encode_prompt, run_row
 from pages.common import Saved, get_pair, get_prefix_cache, save_run, settings, show_error, show_saved
 
 RESULT_KEY = "live_result"
-DEFAULT_PROMPT = "Explain speculative decoding to a new engineer in three sentences."
-CHART_INTERVAL_S = 0.25  # redraw the charts at most this often (every step is too costly on GPU)
+# A prompt the embedded draft knows well (code), so the default run shows when drafting pays and,
+# with the cost-aware default policy, when it does not.
+DEFAULT_PROMPT = "Write a Python function that checks whether a number is prime."
+# Redraw budget while streaming: every redraw is work for this server and for the browser, which
+# share the cores with torch (on 2 cores per-step redraws cut decode speed 2.5–10×). The text
+# and a status line are cheap; the figure is not, so it is drawn rarely and in full at the end.
+TEXT_INTERVAL_S = 0.5
+CHART_INTERVAL_S = 3.0
 # Per-step columns for the table; the per-position lists stay in the store.
 TABLE_COLUMNS = [
     "step", "position", "k_chosen", "k_drafted", "accepted", "emitted", "text",
     "mean_entropy", "max_entropy", "mean_confidence", "min_confidence",
-    "draft_ms", "verify_ms", "decide_ms", "context_len",
+    "draft_ms", "verify_ms", "decide_ms", "context_len", "why",
 ]
 
 
 # -- charts ----------------------------------------------------------------------------------------
 class StepChart:
-    """One figure, four panels, built once and grown in place step by step."""
+    """One figure, six panels, built once and grown in place step by step."""
 
     # (panel row, col, trace name, record field, kind)
     TRACES = [
@@ -40,35 +47,43 @@ class StepChart:
         (2, 1, "drafted", "k_drafted", "bar"),
         (2, 1, "accepted", "accepted", "bar"),
         (2, 2, "chosen γ", "k_chosen", "step"),
+        (3, 1, "draft ms", "draft_ms", "stack"),
+        (3, 1, "verify ms", "verify_ms", "stack"),
+        (3, 1, "decide ms", "decide_ms", "stack"),
+        (3, 2, "tok/s so far", "running_tps", "line"),
     ]
 
     def __init__(self) -> None:
         fig = make_subplots(
-            rows=2, cols=2, vertical_spacing=0.16, horizontal_spacing=0.08,
-            subplot_titles=("Draft entropy (bits)", "Draft confidence",
-                            "Accepted vs drafted", "Chosen γ"),
+            rows=3, cols=2, vertical_spacing=0.11, horizontal_spacing=0.08,
+            subplot_titles=("Draft entropy (bits)", "Draft confidence", "Accepted vs drafted", "Chosen γ",
+                            "Step latency split (ms)", "Running tokens/s"),
         )
         for row, col, name, _, kind in self.TRACES:
-            if kind == "bar":
-                trace = go.Bar(name=name, x=[], y=[])
+            if kind in ("bar", "stack"):
+                trace = go.Bar(name=name, x=[], y=[], offsetgroup="latency" if kind == "stack" else None)
             else:
                 shape = "hv" if kind == "step" else "linear"
                 trace = go.Scatter(name=name, x=[], y=[], mode="lines+markers",
                                    line_shape=shape, marker_size=4, connectgaps=False)
             fig.add_trace(trace, row=row, col=col)
         fig.update_layout(
-            height=460, margin=dict(l=10, r=10, t=40, b=10), barmode="overlay",
-            legend=dict(orientation="h", y=-0.08), uirevision="live",
+            height=680, margin=dict(l=10, r=10, t=40, b=10), barmode="overlay",
+            legend=dict(orientation="h", y=-0.06), uirevision="live",
         )
         fig.update_yaxes(range=[0, 1.02], row=1, col=2)
-        fig.update_xaxes(title_text="step", row=2)
+        fig.update_xaxes(title_text="step", row=3)
         self.fig = fig
         self.x: list[int] = []
         self.y: list[list] = [[] for _ in self.TRACES]
+        self._tokens, self._ms = 0, 0.0
 
     def add(self, rec: dict) -> None:
-        if rec["step"] == 0:  # the prefill drafts nothing
+        self._tokens += rec["emitted"]
+        self._ms += rec["draft_ms"] + rec["verify_ms"] + rec["decide_ms"]
+        if rec["step"] == 0:  # the prefill drafts nothing (and its latency is the TTFT)
             return
+        rec = dict(rec, running_tps=self._tokens / (self._ms / 1e3) if self._ms else None)
         self.x.append(rec["step"])
         for ys, (_, _, _, field, _) in zip(self.y, self.TRACES):
             ys.append(rec[field])
@@ -77,6 +92,11 @@ class StepChart:
         with self.fig.batch_update():
             for trace, ys in zip(self.fig.data, self.y):
                 trace.x, trace.y = self.x, ys
+        self.fig.update_layout(barmode="overlay")  # stacked within the latency group (base set below)
+        for i, (_, _, _, field, kind) in enumerate(self.TRACES):
+            if kind == "stack":  # each latency part starts where the parts before it end
+                below = [t for t, (_, _, _, _, k) in zip(self.y[:i], self.TRACES[:i]) if k == "stack"]
+                self.fig.data[i].base = [sum(v) for v in zip(*below)] if below else None
         return self.fig
 
     @classmethod
@@ -88,7 +108,7 @@ class StepChart:
 
 
 def _default_policy() -> int:
-    return POLICY_EXAMPLES.index("fixed:4") if "fixed:4" in POLICY_EXAMPLES else 0
+    return POLICY_EXAMPLES.index(DEFAULT_POLICY)
 
 
 # -- inputs ----------------------------------------------------------------------------------------
@@ -132,13 +152,14 @@ def inputs() -> tuple[bool, dict]:
 
 
 # -- a generation ----------------------------------------------------------------------------------
-def _step_row(rec, tokenizer) -> dict:
+def _step_row(rec, tokenizer, why: str) -> dict:
     row = {k: v for k, v in asdict(rec).items() if k in TABLE_COLUMNS}
     row["text"] = tokenizer.decode(rec.token_ids, skip_special_tokens=False)
+    row["why"] = why if rec.step else "prefill"
     return row
 
 
-def generate(inp: dict, out_ph, chart_ph) -> dict | None:
+def generate(inp: dict, out_ph, chart_ph, status_ph) -> dict | None:
     """Run one generation, streaming into the placeholders; the result, or None after an error
     (already shown)."""
     s = settings()
@@ -156,17 +177,26 @@ def generate(inp: dict, out_ph, chart_ph) -> dict | None:
         show_error(e)
         return None
 
+    with decode_slot("a live decode", lambda busy: st.info(f"Busy: {busy} is using the model; waiting for it…")):
+        return _stream(gen, pair, inp, prefix, out_ph, chart_ph, status_ph, s.db)
+
+
+def _stream(gen: Generation, pair, inp: dict, prefix, out_ph, chart_ph, status_ph, db: str) -> dict | None:
     tok = pair.tokenizer
     chart = StepChart()
     steps: list[dict] = []
-    ui_s, last_chart, n_charts = 0.0, 0.0, 0
+    ui_s, last_text, last_chart, n_charts = 0.0, 0.0, time.perf_counter(), 0
+    it = iter(gen)
     try:
-        for rec in gen:
+        for rec in it:
             t0 = time.perf_counter()
-            out_ph.text(tok.decode(gen.token_ids, skip_special_tokens=True), width="stretch")
-            row = _step_row(rec, tok)
+            row = _step_row(rec, tok, getattr(gen.policy, "why", ""))
             steps.append(row)
             chart.add(row)
+            if t0 - last_text >= TEXT_INTERVAL_S:
+                out_ph.text(tok.decode(gen.token_ids, skip_special_tokens=True), width="stretch")
+                status_ph.caption(f"step {rec.step} · γ {rec.k_chosen} · {len(gen.token_ids)} tokens · {row['why']}")
+                last_text = time.perf_counter()
             if t0 - last_chart >= CHART_INTERVAL_S:
                 n_charts += 1
                 chart_ph.plotly_chart(chart.figure(), key=f"live_chart_{n_charts}")
@@ -175,10 +205,20 @@ def generate(inp: dict, out_ph, chart_ph) -> dict | None:
     except Exception as e:  # noqa: BLE001
         show_error(e)
         return None
+    except BaseException:  # Stop (or leaving the page) ends the script here: keep what ran
+        it.close()
+        if gen.summary is not None:
+            st.session_state[RESULT_KEY] = _result(gen, pair, inp, prefix, steps, ui_s, db)
+        raise
+    return _result(gen, pair, inp, prefix, steps, ui_s, db)
 
+
+def _result(gen: Generation, pair, inp: dict, prefix, steps: list[dict], ui_s: float, db: str) -> dict:
+    """The finished (or stopped) generation, stored, as the page shows it."""
+    tok = pair.tokenizer
     try:
         row = run_row(gen, inp["prompt"], inp["policy"], inp["chat"])
-        saved = save_run(s.db, row, [asdict(r) for r in gen.records])
+        saved = save_run(db, row, [asdict(r) for r in gen.records])
     except Exception as e:  # noqa: BLE001 - the result is still shown
         saved = Saved(None, "error", f"run not stored: {type(e).__name__}: {e}")
     return dict(
@@ -189,7 +229,7 @@ def generate(inp: dict, out_ph, chart_ph) -> dict | None:
         ui_ms=ui_s * 1e3,
         prefix=prefix.stats(),
         label=(f"{pair.target_name} ({pair.target_tier}, KV {inp['kv_tier']} "
-               f"{gen.kv_bytes_per_token / 1024:.1f} KiB/token) ← {pair.draft_name} ({pair.draft_tier})"
+               f"{(gen.kv_bytes_per_token or 0) / 1024:.1f} KiB/token) ← {pair.draft_name} ({pair.draft_tier})"
                f" · {inp['policy']} · {pair.device} · seed {gen.seed}"),
     )
 
@@ -230,12 +270,17 @@ def show_result(res: dict, out_ph, chart_ph) -> None:
 def live_panel() -> None:
     """Pressing Generate reruns only this panel."""
     go_, inp = inputs()
+    status_ph = st.empty()
+    if go_:
+        st.button("Stop", key="live_stop", icon=":material/stop:",
+                  help="End the generation after this step; what it made is shown and stored")
     out_box = st.container(border=True)
     out_ph = out_box.empty()
     chart_ph = st.empty()
     if go_:
         st.session_state[RESULT_KEY] = None
-        st.session_state[RESULT_KEY] = generate(inp, out_ph, chart_ph)
+        st.session_state[RESULT_KEY] = generate(inp, out_ph, chart_ph, status_ph)
+        status_ph.empty()
     res = st.session_state.get(RESULT_KEY)
     if res:
         show_result(res, out_ph, chart_ph)

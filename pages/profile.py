@@ -1,4 +1,140 @@
-"""profile page (being written)."""
+"""Profile: a sweep (tiers × KV tiers × prompts × policies, each a live run stored as it finishes)
+started from the page and run in the background (engine/jobs.py), optionally after tracing the
+same prompts for replay and retrain. The progress shows to every session; leaving the page and
+coming back finds it; Stop keeps what finished and the same name resumes. Glue only."""
+from __future__ import annotations
+
+from datetime import date
+
+import pandas as pd
 import streamlit as st
 
+from engine.jobs import RUNNER, SweepSpec, SweepStatus
+from engine.models import KV_TIERS, TIERS
+from engine.policies import POLICY_EXAMPLES, parse_policy
+from engine.profiling import sweep_jobs
+from engine.service import prompt_set, sweep_table
+from pages.common import Settings, _pair, get_pair, settings, show_error
+from store import Store
+
+PROMPT_SETS = ["heldout", "bench", "train"]
+# One click must work on the embedded model on a CPU: one prompt per task, short runs, fp32 only.
+DEFAULT_POLICIES = ["ar", "fixed:1", "fixed:2", "fixed:4", "rakv"]
+POLICY_OPTIONS = list(dict.fromkeys(DEFAULT_POLICIES + [f"fixed:{k}" for k in range(1, 9)] + POLICY_EXAMPLES))
+
+
+def inputs() -> tuple[bool, dict]:
+    """The form; its widgets do not rerun the page until Start is pressed."""
+    with st.form("profile_form", border=False):
+        c1, c2, c3 = st.columns([2, 1, 1])
+        name = c1.text_input("Sweep name", value=f"ui-{date.today():%Y-%m-%d}", key="profile_name",
+                             help="Runs are stored under this name; starting the same name again resumes it")
+        which = c2.selectbox("Prompt set", PROMPT_SETS, key="profile_prompts",
+                             help="heldout: the held-out prompts; bench: the benchmark's; train: training prompts")
+        per_task = c3.number_input("Prompts per task", min_value=1, max_value=100, value=1, key="profile_per_task")
+        c1, c2 = st.columns(2)
+        tiers = c1.multiselect("Tiers", TIERS, default=["fp32"], key="profile_tiers",
+                               help="Target weight tiers; fp16 needs CUDA, int8/nf4 bitsandbytes")
+        kv_tiers = c2.multiselect("KV tiers", KV_TIERS, default=["native"], key="profile_kv_tiers")
+        policies = st.multiselect("Policies", POLICY_OPTIONS, default=DEFAULT_POLICIES, key="profile_policies")
+        c1, c2 = st.columns(2)
+        max_new = c1.number_input("Max new tokens", min_value=2, max_value=8192, value=32, step=16,
+                                  key="profile_max_new")
+        trace = c2.checkbox("also trace the prompts (for replay and retrain)", value=True, key="profile_trace")
+        start = st.form_submit_button("Start", type="primary", key="profile_start")
+    return start, dict(name=name.strip(), which=which, per_task=int(per_task), tiers=tiers, kv_tiers=kv_tiers,
+                       policies=policies, max_new_tokens=int(max_new), trace=bool(trace))
+
+
+def spec_of(inp: dict) -> SweepSpec:
+    """The sweep the form describes; one-line ValueErrors for what it lacks."""
+    for what in ("tiers", "kv_tiers", "policies"):
+        if not inp[what]:
+            raise ValueError(f"choose at least one of the {what.replace('_', ' ').replace('kv', 'KV')}")
+    for spec in inp["policies"]:
+        parse_policy(spec)
+    jobs = sweep_jobs(prompt_set(inp["which"], inp["per_task"]), inp["tiers"], inp["policies"], inp["kv_tiers"])
+    return SweepSpec(inp["name"], tuple(jobs), inp["max_new_tokens"], inp["trace"])
+
+
+def loader(s: Settings):
+    """The sweep's loader: the pages' cached pairs (shared with Live decode, so the models load
+    once); without st.spinner, which a background thread cannot draw."""
+    return lambda tier: _pair(s.target, s.draft, tier)
+
+
+def start(inp: dict) -> None:
+    s = settings()
+    try:
+        RUNNER.check_free()  # before loading anything
+        spec = spec_of(inp)
+        get_pair(s, spec.jobs[0].tier)  # a bad model or tier fails here, on the page, in one line
+        RUNNER.start(spec, s.db, loader(s))
+    except Exception as e:  # noqa: BLE001 - one line, never a traceback
+        show_error(e)
+
+
+@st.fragment(run_every=1.0)
+def progress() -> None:
+    """Redraws once a second while the sweep runs; once it ends, the whole page reruns (and
+    this fragment, with its timer, is no longer drawn)."""
+    status = RUNNER.status()
+    if status is None or not status.running:
+        st.rerun()
+    st.progress(status.done / status.total if status.total else 0.0, text=status.line())
+    if st.button("Stop", key="profile_stop", disabled=status.stop_requested,
+                 help="The run in progress finishes and is stored; the same name resumes the rest"):
+        RUNNER.stop()
+        st.caption("Stopping after the run in progress…")
+
+
+def table_of(runs: pd.DataFrame) -> tuple[pd.DataFrame, list[str]]:
+    """(one row per setting and policy: tokens/s and × the peer, captions per setting)."""
+    rows, notes = [], []
+    for setting, t in sweep_table(runs).items():
+        notes.append(f"{setting}: {t['prompts']} prompts · best fixed γ = {t['best_gamma']} · "
+                     f"peer max(ar, best fixed) = {t['peer']:.2f} tok/s")
+        for pol, v in sorted(t["tokens_per_s"].items(), key=lambda kv: -kv[1]):
+            rows.append(dict(setting=setting, policy=pol, tokens_per_s=round(v, 2),
+                             vs_peer=round(t["vs_peer"][pol], 3) if pol in t["vs_peer"] else None))
+    return pd.DataFrame(rows), notes
+
+
+def result(status: SweepStatus) -> None:
+    """The ended sweep: what happened, then its table from the store."""
+    before = status.done - status.ran  # stored by an earlier try of the same name
+    head = f"Sweep {status.name}: {status.done}/{status.total} done" + (f" ({before} stored before)" if before else "")
+    if status.state == "failed":
+        st.error(f"Sweep {status.name} failed after {status.done}/{status.total}: {status.error}")
+    elif status.state == "stopped":
+        st.info(head + f" — stopped; start {status.name} again to resume")
+    else:
+        st.success(head)
+    try:
+        with Store(status.db, read_only=True, wait_s=3.0) as s:
+            runs = s.runs(sweep=status.name)
+    except Exception as e:  # noqa: BLE001
+        show_error(e)
+        return
+    if not len(runs):
+        return
+    df, notes = table_of(runs)
+    st.dataframe(df, hide_index=True, width="stretch", key="profile_table")
+    for note in notes:
+        st.caption(note)
+
+
 st.title("Profile")
+st.caption("A sweep runs every policy on every prompt, live, and stores each run as it finishes; the Replay & "
+           "retrain page learns from its traces and runs. It runs in the background: other pages stay usable, "
+           "and a live decode waits at most one run.")
+top = st.container()
+pressed, inp = inputs()
+if pressed:
+    start(inp)
+with top:
+    now = RUNNER.status()
+    if now is not None and now.running:
+        progress()
+    elif now is not None:
+        result(now)

@@ -212,6 +212,23 @@ class Store:
             insert(con, "controllers", to_table("controllers", "controller", [row]))
         return int(row["version"])
 
+    def activate_controller(self, name: str, version: int) -> None:
+        """Make `version` the only active version of controller `name` (retrain stores new
+        versions inactive on the workbench, which activates one only when asked)."""
+        self._check_writable("a controller activation")
+        with self._writing(f"activation of controller {name!r} version {version}") as con:
+            # The check and the switch in one transaction: no moment with none or two active.
+            have = [r[0] for r in con.execute("SELECT version FROM controllers WHERE name = ?"
+                                              " ORDER BY version", [name]).fetchall()]
+            if not have:
+                raise StoreError(f"no controller {name!r} in {self.path};"
+                                 " run `python -m engine retrain` first")
+            if isinstance(version, bool) or version not in have:
+                raise StoreError(f"no controller {name!r} version {version} in {self.path}"
+                                 f" (versions: {', '.join(map(str, have))})")
+            con.execute("UPDATE controllers SET active = (version = ?) WHERE name = ?",
+                        [int(version), name]).fetchall()
+
     def add_kv_measurement(self, row: Mapping[str, Any]) -> str:
         """Store one KV measurement (device, target, target_tier, kind, result JSON); returns its id."""
         self._check_writable("a KV measurement")

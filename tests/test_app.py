@@ -18,13 +18,14 @@ def test_app_renders(app_env):
     assert [b.label for b in at.button] == ["Generate"]
     # The sidebar starts from the environment.
     assert at.sidebar.text_input(key="speclab_db").value == str(app_env)
-    assert at.selectbox(key="live_policy").value == "fixed:4"
+    assert at.selectbox(key="live_policy").value == "rakv"  # engine.policies.DEFAULT_POLICY
     assert at.checkbox(key="live_chat").value is True
 
 
 def test_generate_streams_summarises_and_stores(app_env):
     at = _app()
     at.text_area(key="live_prompt").set_value("Hello, how are you?")
+    at.selectbox(key="live_policy").set_value("fixed:4")
     at.number_input(key="live_max_new").set_value(16)
     at.button(key="live_generate").click().run(timeout=60)
     assert not at.exception
@@ -72,6 +73,9 @@ def test_cost_aware_policies_run_live_and_say_what_they_miss(app_env):
     assert not at.exception and not _errors(at), _errors(at)
     with Store(app_env) as store:
         assert list(store.runs()["policy"]) == ["rakv"] and len(store.costs()) == 3
+    why = at.dataframe[0].value["why"].tolist()  # every choice says why, in one line
+    assert why[0] == "prefill" and all(w and "\n" not in w for w in why)
+    assert any(w.startswith(("α ≈", "probe", "plain")) for w in why[1:]), why
     at.text_input(key="live_policy_spec").set_value("speckv")  # no controller trained yet
     at.button(key="live_generate").click().run(timeout=60)
     errors = _errors(at)
@@ -125,11 +129,17 @@ def test_replay_page_shows_policies_side_by_side_and_retrains(app_env, tiny_pair
     assert at.title[0].value == "Replay & retrain"
     table = at.dataframe[0].value
     assert {"ar", "fixed:4", "rakv"} <= set(table.index) and list(table.columns) == ["fp32"]
-    at.button(key="retrain").click().run()
+    at.button(key="retrain").click().run()  # from the traces, the default source
+    assert not at.exception and not _errors(at)
+    assert "speckv v1 (and speckv-rf v1) trained from traces; not active" in at.success[0].value
+    with Store(app_env, read_only=True) as s:
+        assert set(s.controllers()["name"]) == {"speckv", "speckv-rf"}
+        assert not s.controllers()["active"].any()  # activating is the user's choice
+    at.button(key="retrain_activate").click().run()
     assert not at.exception and not _errors(at)
     assert "speckv v1 is now active" in at.success[0].value
     with Store(app_env, read_only=True) as s:
-        assert set(s.controllers()["name"]) == {"speckv", "speckv-rf"}
+        assert s.controllers()["active"].all()
     at.button(key="calibrate").click().run()  # no live runs yet: says what to run, changes nothing
     assert not at.exception and not _errors(at) and "python -m engine profile" in at.warning[0].value
     with Store(app_env) as s:
@@ -148,4 +158,6 @@ def test_replay_page_without_traces_says_what_to_run(app_env):
     at = AppTest.from_file(str(APP), default_timeout=60)
     at.switch_page("pages/retrain.py").run()
     assert not at.exception and not _errors(at)
-    assert "python -m engine trace" in at.info[0].value
+    assert "No acceptance traces" in at.info[0].value
+    link = at.page_link[0]  # a first step to click, not a command to type
+    assert link.proto.label == "Profile a sweep first" and link.proto.page.endswith("profile")

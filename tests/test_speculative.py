@@ -218,3 +218,26 @@ def test_fixed_seed_reproduces_a_sampled_run(tiny_pair):
     assert a.token_ids != c.token_ids
     unseeded = Generation(tiny_pair, ids, make_policy("ar"), GenConfig(temperature=1.0))
     assert unseeded.seed is not None and unseeded.cfg.seed is None  # drawn and recorded, so the run can be replayed
+
+
+def test_a_generation_stopped_early_is_a_run(tiny_pair):
+    """Stop in the workbench closes the stream between steps: what ran is summarized as a run
+    ("stopped"), a prefix of the uninterrupted output."""
+    ids = encode_prompt(tiny_pair.tokenizer, "Tell me a story about a cat.", chat=False)
+    full = _gen(tiny_pair, ids, "fixed:2", max_new_tokens=24)
+    gen = Generation(tiny_pair, ids, make_policy("fixed:2"), GenConfig(max_new_tokens=24))
+    it = iter(gen)
+    for _ in range(3):
+        next(it)
+    it.close()
+    s = gen.summary
+    assert s.stop_reason == "stopped" and s.n_steps == 3 - 1 and s.n_tokens == len(gen.token_ids)
+    assert gen.token_ids == full.token_ids[:len(gen.token_ids)] and 0 < len(gen.token_ids) < 24
+
+
+@pytest.mark.parametrize("policy", ["rakv", "speckv"])
+def test_cost_aware_policies_say_why_they_chose(tiny_pair, policy):
+    ids = encode_prompt(tiny_pair.tokenizer, "def f(x): return", chat=False)
+    gen = Generation(tiny_pair, ids, make_policy(policy, synthetic_context()), GenConfig(max_new_tokens=16))
+    whys = [gen.policy.why for rec in gen if rec.step]
+    assert whys and all(w and "\n" not in w for w in whys)

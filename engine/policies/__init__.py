@@ -78,6 +78,9 @@ _FACTORIES: dict[str, tuple[Callable[[str | None, PolicyContext], Policy], str]]
 NEEDS_CONTEXT = ("speckv", "speckv-rf", "speckv-paper", "rakv")
 
 POLICY_EXAMPLES = [example for _, example in _FACTORIES.values()]
+# What a newcomer meets (the Live decode page, `generate`): cost-aware, it drafts only where the
+# measured costs and the acceptance so far say drafting pays, and plain-decodes otherwise.
+DEFAULT_POLICY = "rakv"
 
 
 def _no_arg(name: str) -> Policy:

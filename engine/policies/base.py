@@ -37,6 +37,7 @@ class BasePolicy:
     """Defaults for the optional hooks: draft the full γ, learn nothing."""
 
     name = "base"
+    why = ""  # the last choice's reason in one line, for the workbench (a policy may leave it empty)
 
     def choose(self, state: DecodeState) -> Action:
         raise NotImplementedError

@@ -32,7 +32,10 @@ class RakvPolicy(BasePolicy):
 
     def choose(self, state: DecodeState) -> Action:
         if probe_due(state, self.costs):
-            return Action(k=1 if probe_pays(self.costs, state, self.alpha0) else 0)
+            pays = probe_pays(self.costs, state, self.alpha0)
+            self.why = ("probe: plain for a while, draft 1 token to re-measure acceptance" if pays
+                        else "plain: a probe would not repay the draft's catch-up read")
+            return Action(k=1 if pays else 0)
         n = state.alpha_trials if state.alpha_ewma is not None else 0.0
         alpha = ((state.alpha_ewma or 0.0) * n + self.alpha0 * PRIOR_TRIALS) / (n + PRIOR_TRIALS)
         ks = candidates(state)
@@ -43,7 +46,13 @@ class RakvPolicy(BasePolicy):
             best = int(np.argmin(ms_per_token))
             self._last = (key, (int(ks_arr[best]), float(ms_per_token[best])))
         k, ms = self._last[1]
-        return Action(k=k if k and catchup_pays(self.costs, state, ms) else 0)
+        plain_ms = self.costs.step_ms(0, state.context_len)
+        if k and not catchup_pays(self.costs, state, ms):
+            self.why = f"plain: γ {k} would save {plain_ms - ms:.1f} ms/token, not enough to repay the draft's catch-up"
+            return Action(k=0)
+        self.why = (f"α ≈ {alpha:.2f}: γ {k} costs {ms:.1f} ms/token against {plain_ms:.1f} plain" if k
+                    else f"α ≈ {alpha:.2f}: no γ beats plain decoding ({plain_ms:.1f} ms/token)")
+        return Action(k=k)
 
     def reset(self) -> None:
         self._last = ()

@@ -44,11 +44,15 @@ class SpeckvPolicy(BasePolicy):
     def choose(self, state: DecodeState) -> Action:
         if self.objective == "tps" and probe_due(state, self.costs):
             self.last_expected, self._rate = None, None
-            return Action(k=1 if probe_pays(self.costs, state, PROBE_ALPHA) else 0)
+            pays = probe_pays(self.costs, state, PROBE_ALPHA)
+            self.why = "probe: draft 1 token to re-measure acceptance" if pays else "plain: a probe would not repay its catch-up"
+            return Action(k=1 if pays else 0)
         k, self.last_expected, rate = _OBJECTIVES[self.objective](self, state)
+        self.why = f"predicted {self.last_expected:.2f} tokens/step at γ {k}" if k else "predicted acceptance too low: plain"
         if k and self.objective == "tps" and not catchup_pays(
                 self.costs, state, self.costs.step_ms(k, state.context_len) / self.last_expected):
             k, self.last_expected = 0, 1.0
+            self.why = "plain: drafting would not repay the draft's catch-up read"
         self._rate = rate if k else None
         return Action(k=k)
 

@@ -1,0 +1,178 @@
+"""The workbench's live decode against the CLI on the same generation, measured in one run:
+
+    `python -m engine generate` (the peer)  vs  the Live decode page in a real Chromium
+
+Both decode the same prompt with the same policy, tier and length on the same models; the page's
+figure is the engine's tokens/s while it streams into the browser (the redraws run in this
+machine's Chromium and Streamlit server, so they compete with torch exactly as a user's would).
+The CLI runs first, on the same database, so a cost table it measures is the page's too.
+
+Run: python bench/browser.py [--json] [--policy P] [--max-new-tokens N]
+     or python -m engine bench browser
+Prints the ratio (≥ 0.8: within 80% of the CLI); never asserts an absolute time."""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+CHROMIUM = os.environ.get("SPECLAB_CHROMIUM", "/usr/bin/chromium")
+CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking"]
+DEFAULT_PROMPT = "Explain speculative decoding to a new engineer in three sentences."  # pages/live.py's
+
+
+def browser_missing() -> str | None:
+    """Why a real-browser run cannot happen here (one line), or None."""
+    try:
+        import playwright  # noqa: F401
+    except ImportError:
+        return "the playwright package is not installed (pip install playwright)"
+    if not os.path.exists(CHROMIUM):
+        return f"no Chromium at {CHROMIUM} (apt-get install chromium chromium-driver)"
+    return None
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@contextlib.contextmanager
+def app_server(env: dict[str, str], port: int | None = None, timeout_s: float = 120.0) -> Iterator[str]:
+    """The workbench on 127.0.0.1 (a fresh port), as `make run` starts it; yields its URL."""
+    port = port or _free_port()
+    cmd = [sys.executable, "-m", "streamlit", "run", str(ROOT / "app.py"), "--server.address", "127.0.0.1",
+           "--server.port", str(port), "--server.headless", "true", "--browser.gatherUsageStats", "false"]
+    log = tempfile.TemporaryFile()
+    proc = subprocess.Popen(cmd, cwd=ROOT, env={**os.environ, **env}, stdout=log, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + timeout_s
+        while True:
+            with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), timeout=1):
+                break
+            if proc.poll() is not None or time.monotonic() > deadline:
+                log.seek(0)
+                tail = log.read().decode(errors="replace")[-400:].replace("\n", " | ")
+                raise RuntimeError(f"the app did not start on {url}: {tail}")
+            time.sleep(0.3)
+        yield url
+    finally:
+        proc.terminate()
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            proc.wait(10)
+        if proc.poll() is None:
+            proc.kill()
+        log.close()
+
+
+@contextlib.contextmanager
+def chromium_page(viewport: tuple[int, int] = (1400, 1000)) -> Iterator[object]:
+    """A Playwright page in Debian's Chromium (headless, no sandbox, no GPU)."""
+    from playwright.sync_api import sync_playwright
+
+    with sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
+        try:
+            page = browser.new_page(viewport={"width": viewport[0], "height": viewport[1]})
+            yield page
+        finally:
+            browser.close()
+
+
+def metrics(page) -> dict[str, str]:
+    """The page's st.metric tiles, label → value."""
+    out = {}
+    for tile in page.locator('[data-testid="stMetric"]').all():
+        label = tile.locator('[data-testid="stMetricLabel"]').inner_text().strip()
+        out[label] = tile.locator('[data-testid="stMetricValue"]').inner_text().strip()
+    return out
+
+
+def wait_idle(page, timeout_s: float) -> None:
+    """Until the script run ends (Streamlit's status widget goes away)."""
+    page.wait_for_timeout(300)
+    page.wait_for_function(
+        "() => !document.querySelector('[data-testid=\"stStatusWidget\"]')", timeout=timeout_s * 1e3)
+
+
+def live_decode(page, url: str, prompt: str, policy: str, max_new: int, timeout_s: float = 600) -> dict[str, str]:
+    """Drive the Live decode page once (warm-up generation first, so model loading and the
+    first-call costs are not timed) and return the measured run's metrics."""
+    page.goto(url, wait_until="networkidle")
+    page.get_by_role("heading", name="Live decode").wait_for(timeout=timeout_s * 1e3)
+    page.get_by_label("…or any policy spec").fill(policy)
+    page.get_by_label("Max new tokens").fill(str(max_new))
+    page.get_by_label("Prompt").fill(prompt)
+    for _ in range(2):  # the first pays for loading the pair (and measuring costs, when missing)
+        page.get_by_role("button", name="Generate").click()
+        page.locator('[data-testid="stMetric"]').first.wait_for(timeout=timeout_s * 1e3)
+        wait_idle(page, timeout_s)
+    return metrics(page)
+
+
+def cli_generate(env: dict[str, str], prompt: str, policy: str, max_new: int) -> dict:
+    """The peer: `python -m engine generate --json`, run twice in one process is not possible from
+    the CLI, so its own figure (decode only, after loading) is the comparison."""
+    cmd = [sys.executable, "-m", "engine", "generate", "--prompt", prompt, "--chat", "--policy", policy,
+           "--max-new-tokens", str(max_new), "--json"]
+    out = subprocess.run(cmd, cwd=ROOT, env={**os.environ, **env}, capture_output=True, text=True, timeout=900)
+    if out.returncode != 0:
+        raise RuntimeError(f"the CLI failed: {out.stderr.strip().splitlines()[-1] if out.stderr.strip() else out.returncode}")
+    return json.loads(out.stdout)
+
+
+def run(prompt: str = DEFAULT_PROMPT, policy: str = "", max_new: int = 64, db: str | None = None,
+        env: dict[str, str] | None = None, shots: Path | None = None) -> dict:
+    """Both measurements on one database (a temporary one unless given). policy '' = the page's
+    default policy, whichever it is (the one a newcomer meets)."""
+    if (why := browser_missing()):
+        raise RuntimeError(why)
+    with tempfile.TemporaryDirectory() as tmp:
+        env = dict(env or {}, SPECLAB_DB=db or str(Path(tmp) / "bench.duckdb"), HF_HUB_OFFLINE="1")
+        if not policy:
+            sys.path.insert(0, str(ROOT))
+            from engine.policies import DEFAULT_POLICY
+
+            policy = DEFAULT_POLICY
+        cli = [cli_generate(env, prompt, policy, max_new) for _ in range(2)]  # the second on stored costs
+        with app_server(env) as url, chromium_page() as page:
+            shown = live_decode(page, url, prompt, policy, max_new)
+            if shots:
+                page.screenshot(path=str(shots / "live.png"), full_page=True)
+    cli_tps = max(c["tokens_per_s"] for c in cli)
+    page_tps = float(shown["Tokens/s"])
+    return dict(policy=policy, max_new_tokens=max_new, cli_tokens_per_s=cli_tps, browser_tokens_per_s=page_tps,
+                ratio=page_tps / cli_tps, cli_n_tokens=cli[-1]["n_tokens"], cli_acceptance=cli[-1]["acceptance_rate"],
+                browser_metrics=shown)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="bench browser", description=__doc__.splitlines()[0])
+    ap.add_argument("--prompt", default=DEFAULT_PROMPT)
+    ap.add_argument("--policy", default="", help="default: the Live decode page's default policy")
+    ap.add_argument("--max-new-tokens", type=int, default=64)
+    ap.add_argument("--json", action="store_true")
+    a = ap.parse_args(argv)
+    r = run(a.prompt, a.policy, a.max_new_tokens)
+    if a.json:
+        print(json.dumps(r))
+    else:
+        print(f"live decode, {r['policy']}, {r['max_new_tokens']} tokens: CLI {r['cli_tokens_per_s']:.1f} tok/s, "
+              f"browser {r['browser_tokens_per_s']:.1f} tok/s → {r['ratio']:.2f}× the CLI "
+              f"(acceptance {r['browser_metrics'].get('Acceptance rate', '—')})")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
