@@ -1,4 +1,155 @@
-"""runs page (being written)."""
+"""Runs: every stored run and its steps, filtered (model pair, tier, policy, task, date), with
+acceptance against the draft's entropy and confidence, the best fixed γ by tier × task, tokens/s by
+policy, and downloads as CSV or Parquet. Glue only: engine/runs_view.py shapes the DataFrames the
+store returns; the file is opened read-only, so a running sweep keeps writing."""
+from __future__ import annotations
+
+import os
+from datetime import date
+
+import pandas as pd
+import plotly.graph_objects as go
 import streamlit as st
+from plotly.subplots import make_subplots
+
+from engine import runs_view as V
+from pages.common import settings, show_error
+from store import Store
+
+# The runs table's columns (the rest, lists and config, are in the downloads).
+RUN_COLUMNS = ["created_at", "policy", "target_tier", "kv_tier", "task", "prompt", "n_tokens", "tokens_per_s",
+               "ttft_ms", "acceptance_rate", "tokens_per_step", "stop_reason", "sweep", "source", "run_id"]
+
+
+def _empty(what: str) -> None:
+    st.info(f"{what}: a live decode or a profile sweep stores its runs here.")
+    c1, c2 = st.columns(2)
+    c1.page_link("pages/live.py", label="Live decode: one run", icon=":material/bolt:")
+    c2.page_link("pages/profile.py", label="Profile: a sweep of runs", icon=":material/timer:")
+
+
+def load(db: str) -> tuple[pd.DataFrame, pd.DataFrame] | None:
+    """(runs, steps); None when there is no file yet (not an error) or after an error (shown)."""
+    if not os.path.exists(db):
+        _empty(f"No database at {db} yet")
+        return None
+    try:
+        with Store(db, read_only=True, wait_s=3.0) as s:
+            return s.runs(), s.steps()
+    except Exception as e:  # noqa: BLE001 - one line, never a traceback; the file is left as it is
+        show_error(e)
+        return None
+
+
+def filters(runs: pd.DataFrame) -> V.Filters:
+    opts = V.options(runs)
+    c1, c2, c3, c4 = st.columns(4)
+    pairs = c1.multiselect("Model pair", opts["pairs"], key="runs_pairs", placeholder="all")
+    tiers = c2.multiselect("Tier", opts["tiers"], key="runs_tiers", placeholder="all")
+    policies = c3.multiselect("Policy", opts["policies"], key="runs_policies", placeholder="all")
+    tasks = c4.multiselect("Task", opts["tasks"], key="runs_tasks", placeholder="all")
+    first, last = opts["dates"]
+    days = st.date_input("Dates", value=(first, last), min_value=first, max_value=max(last, date.today()),
+                         key="runs_dates")
+    days = tuple(days) if isinstance(days, (tuple, list)) else (days,)
+    since = days[0] if days else None
+    until = days[1] if len(days) > 1 else since  # while picking a range only its start is set
+    return V.Filters(tuple(pairs), tuple(tiers), tuple(policies), tuple(tasks), since, until)
+
+
+def acceptance_figure(points: pd.DataFrame) -> go.Figure:
+    """Acceptance against mean entropy and mean confidence: the sampled steps as dots, the mean per
+    bin (over the same sample) as a line."""
+    fig = make_subplots(rows=1, cols=2, horizontal_spacing=0.08,
+                        subplot_titles=("against mean draft entropy (bits)", "against mean draft confidence"))
+    for col, signal in ((1, "mean_entropy"), (2, "mean_confidence")):
+        fig.add_trace(go.Scattergl(x=points[signal], y=points["acceptance"], mode="markers", name="steps",
+                                   marker=dict(size=4, opacity=0.25), showlegend=col == 1), row=1, col=col)
+        bins = V.acceptance_bins(points, signal)
+        fig.add_trace(go.Scatter(x=bins[signal], y=bins["acceptance"], mode="lines+markers", name="bin mean",
+                                 customdata=bins["steps"], hovertemplate="%{y:.2f} over %{customdata} steps",
+                                 line=dict(width=3), showlegend=col == 1), row=1, col=col)
+    fig.update_yaxes(title_text="accepted / drafted", range=[-0.02, 1.02], row=1, col=1)
+    fig.update_layout(height=360, margin=dict(l=10, r=10, t=40, b=10), legend=dict(orientation="h", y=-0.2))
+    return fig
+
+
+def best_gamma_figure(best: pd.DataFrame) -> go.Figure:
+    gamma, tps = V.best_gamma_grid(best)
+    text = [[("" if pd.isna(g) else f"γ {int(g)}<br>{t:.1f} tok/s") for g, t in zip(gr, tr)]
+            for gr, tr in zip(gamma.to_numpy(), tps.to_numpy())]
+    fig = go.Figure(go.Heatmap(z=gamma.to_numpy(), x=list(gamma.columns), y=list(gamma.index), text=text,
+                               texttemplate="%{text}", colorscale="Viridis", colorbar=dict(title="best γ"),
+                               hovertemplate="%{y} · %{x}: %{text}<extra></extra>"))
+    fig.update_layout(height=120 + 50 * len(gamma.index), margin=dict(l=10, r=10, t=30, b=10),
+                      xaxis_title="task", yaxis_title="tier")
+    return fig
+
+
+def speed_figure(speeds: pd.DataFrame) -> go.Figure:
+    fig = go.Figure()
+    for tier, g in speeds.groupby("tier", sort=True):
+        fig.add_trace(go.Bar(x=g["policy"], y=g["tokens_per_s"], name=tier, customdata=g["runs"],
+                             hovertemplate="%{x}: %{y:.1f} tok/s over %{customdata} runs"))
+    fig.update_layout(barmode="group", height=320, margin=dict(l=10, r=10, t=30, b=10),
+                      yaxis_title="tokens/s (all tokens / all wall time)", legend=dict(orientation="h", y=-0.25))
+    return fig
+
+
+def downloads(runs: pd.DataFrame, steps: pd.DataFrame) -> None:
+    c1, c2, c3, c4 = st.columns(4)
+    c1.download_button("Runs (CSV)", V.to_csv_bytes(runs), "runs.csv", "text/csv", key="runs_dl_runs_csv")
+    c2.download_button("Runs (Parquet)", V.to_parquet_bytes(runs), "runs.parquet", "application/octet-stream",
+                       key="runs_dl_runs_parquet")
+    c3.download_button("Steps (CSV)", V.to_csv_bytes(steps), "steps.csv", "text/csv", key="runs_dl_steps_csv")
+    c4.download_button("Steps (Parquet)", V.to_parquet_bytes(steps), "steps.parquet", "application/octet-stream",
+                       key="runs_dl_steps_parquet")
+
+
+def show(runs: pd.DataFrame, steps: pd.DataFrame) -> None:
+    if not len(runs):
+        _empty("No runs stored yet")
+        return
+    chosen = V.filter_runs(runs, filters(runs))
+    picked = V.steps_of(steps, chosen)
+    st.caption(f"{len(chosen)} of {len(runs)} runs, {len(picked)} steps")
+    if not len(chosen):
+        st.info("No run matches these filters.")
+        return
+    try:
+        points = V.acceptance_points(picked)
+        best = V.best_gamma(chosen)
+        speeds = V.speed_by_policy(chosen)
+    except Exception as e:  # noqa: BLE001 - odd rows (an import) get one line, not a traceback
+        show_error(e)
+        return
+
+    st.subheader("Acceptance against the draft's signals")
+    if len(points):
+        st.plotly_chart(acceptance_figure(points), key="runs_acceptance")
+        n = int((picked["k_drafted"] > 0).sum())
+        st.caption(f"{len(points)} of {n} drafting steps" + (" (a sample)" if len(points) < n else ""))
+    else:
+        st.caption("No drafting steps in the selection (ar runs draft nothing).")
+
+    st.subheader("Best γ by tier × task")
+    if len(best):
+        st.plotly_chart(best_gamma_figure(best), key="runs_best_gamma")
+        st.dataframe(best, hide_index=True, width="stretch")
+    else:
+        st.caption("No ar or fixed:k runs in the selection: a profile sweep over them finds the best γ.")
+
+    st.subheader("Tokens/s by policy")
+    st.plotly_chart(speed_figure(speeds), key="runs_speed")
+    st.dataframe(speeds, hide_index=True, width="stretch")
+
+    st.subheader("Runs")
+    st.dataframe(chosen[[c for c in RUN_COLUMNS if c in chosen.columns]], hide_index=True, width="stretch")
+    downloads(chosen, picked)
+
 
 st.title("Runs")
+st.caption("Every stored run and step, filtered and plotted; download what you see.")
+loaded = load(settings().db)
+if loaded is not None:
+    show(*loaded)

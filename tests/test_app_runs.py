@@ -1,0 +1,69 @@
+"""The Runs page, driven headless with AppTest on the tiny test models."""
+from __future__ import annotations
+
+from streamlit.testing.v1 import AppTest
+
+from apptest import APP, _app, _errors  # noqa: F401 - fixtures: app_env, navigation mode
+from store import Store
+
+
+def _runs_page() -> AppTest:
+    at = AppTest.from_file(str(APP), default_timeout=120)
+    return at.switch_page("pages/runs.py").run()
+
+
+def _links(at: AppTest) -> list[str]:
+    return [p.proto.label for p in at.get("page_link")]
+
+
+def test_no_database_is_an_empty_state(app_env):
+    at = _runs_page()
+    assert not at.exception and not _errors(at)
+    assert at.title[0].value == "Runs"
+    assert "No database" in at.info[0].value
+    links = _links(at)
+    assert any(p.startswith("Live decode") for p in links) and any(p.startswith("Profile") for p in links), links
+    assert not app_env.exists()  # reading never creates the file
+
+
+def test_stored_runs_are_filtered_plotted_and_downloadable(app_env, tiny_pair):
+    from engine.profiling import Job, run_job
+
+    with Store(app_env) as s:
+        for task, prompt in [("code", "def f(x):"), ("chat", "Hi there")]:
+            for pol in ("ar", "fixed:2", "fixed:4"):
+                row, steps = run_job(tiny_pair, Job("fp32", task, prompt, pol), None, 12)
+                s.add_run(row, steps)
+    at = _runs_page()
+    assert not at.exception and not _errors(at), _errors(at)
+    charts = at.get("plotly_chart")
+    assert len(charts) == 3  # acceptance vs signals, best γ heatmap, tok/s by policy
+    best = at.dataframe[0].value
+    assert sorted(best["task"]) == ["chat", "code"] and set(best["best_gamma"]) <= {0, 2, 4}
+    assert set(best["gammas"]) == {3}
+    speeds = at.dataframe[1].value
+    assert sorted(speeds["policy"]) == ["ar", "fixed:2", "fixed:4"]
+    assert len(at.dataframe[2].value) == 6
+    labels = [b.proto.label for b in at.get("download_button")]
+    assert labels == ["Runs (CSV)", "Runs (Parquet)", "Steps (CSV)", "Steps (Parquet)"]
+    assert any("6 of 6 runs" in c.value for c in at.caption)
+
+    # A filter narrows every view.
+    at.multiselect(key="runs_policies").set_value(["fixed:2"]).run()
+    assert not at.exception and not _errors(at)
+    assert any("2 of 6 runs" in c.value for c in at.caption)
+    assert list(at.dataframe[-1].value["policy"]) == ["fixed:2", "fixed:2"]
+    at.multiselect(key="runs_policies").set_value(["ar"]).run()  # ar drafts nothing: no acceptance points
+    assert not at.exception and not _errors(at)
+    assert any("No drafting steps" in c.value for c in at.caption)
+
+
+def test_corrupt_db_is_one_line_and_left_untouched(app_env):
+    garbage = b"\x00garbage, not DuckDB\xff" * 100
+    app_env.write_bytes(garbage)
+    at = _runs_page()
+    assert not at.exception
+    errors = _errors(at)
+    assert len(errors) == 1 and "\n" not in errors[0], errors
+    assert app_env.read_bytes() == garbage
+    assert not at.get("download_button")
