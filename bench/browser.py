@@ -41,6 +41,14 @@ def browser_missing() -> str | None:
     return None
 
 
+def default_policy() -> str:
+    """The policy a newcomer meets on the Live decode page."""
+    sys.path.insert(0, str(ROOT))
+    from engine.policies import DEFAULT_POLICY
+
+    return DEFAULT_POLICY
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -140,11 +148,7 @@ def run(prompt: str = DEFAULT_PROMPT, policy: str = "", max_new: int = 64, db: s
         raise RuntimeError(why)
     with tempfile.TemporaryDirectory() as tmp:
         env = dict(env or {}, SPECLAB_DB=db or str(Path(tmp) / "bench.duckdb"), HF_HUB_OFFLINE="1")
-        if not policy:
-            sys.path.insert(0, str(ROOT))
-            from engine.policies import DEFAULT_POLICY
-
-            policy = DEFAULT_POLICY
+        policy = policy or default_policy()
         cli = [cli_generate(env, prompt, policy, max_new) for _ in range(2)]  # the second on stored costs
         with app_server(env) as url, chromium_page() as page:
             shown = live_decode(page, url, prompt, policy, max_new)

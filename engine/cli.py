@@ -16,7 +16,7 @@ from typing import Callable, Iterator
 from engine.args import KV_TIER_ARG, KV_TIERS_ARG, add_db_arg, add_model_args
 from engine.common import csv_list, one_line
 from engine.costs import REPS
-from engine.policies import POLICY_EXAMPLES
+from engine.policies import DEFAULT_POLICY, POLICY_EXAMPLES
 from engine.service import TRACE_POLICIES
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -86,12 +86,17 @@ def _open_or_fail(db: str) -> None:
          ("--no-reuse", dict(action="store_true", help="recompute the whole prompt: no cross-request prefix KV")),
          ("--prefix-budget", dict(type=float, default=512.0, help="prefix cache budget in MiB")),
          ("--json", dict(action="store_true", help="print one JSON object instead of the text")),
+         ("--config", dict(default=None, help="a SpecLab config (`export --format json|yaml`): it supplies the "
+                           "models, tiers, policy, sampling and reuse; a flag set to other than its default "
+                           "overrides it")),
          models=True, db="DuckDB file for the run; '' stores nothing")
 def cmd_generate(a: argparse.Namespace) -> int:
     from engine.generation import Generation, GenConfig, encode_prompt, run_row
     from engine.policies import make_policy, parse_policy
     from engine.service import context_for, store_run
 
+    if a.config:
+        _apply_config(a, _tuned(a, "generate"))
     parse_policy(a.policy)  # before loading models: a typo should fail in milliseconds
     from engine.prefix_cache import PrefixCache
 
@@ -133,6 +138,101 @@ def cmd_generate(a: argparse.Namespace) -> int:
              f"{s.n_tokens} tokens · {s.tokens_per_s:.1f} tok/s · "
              f"TTFT {s.ttft_ms:.0f} ms · {s.tokens_per_step:.2f} tok/step · acceptance {rate} · "
              f"{s.stop_reason}{f' · run {run_id}' if run_id else ''}]")
+    return 0
+
+
+# -- tuned configurations: --config and export ---------------------------------------------------
+# (flag dest, TunedConfig field, flag value → field value) of the flags a config can supply.
+# Precedence: the config supplies every value; a flag whose value differs from its default
+# overrides it (a flag at its default cannot be told from an absent one, so it keeps the file's).
+_TUNED_FLAGS: list[tuple[str, str, Callable]] = [
+    ("target", "target", lambda v: v or "embedded"), ("draft", "draft", lambda v: v or None),
+    ("target_tier", "target_tier", str), ("draft_tier", "draft_tier", lambda v: v), ("kv_tier", "kv_tier", str),
+    ("policy", "policy", str), ("controller_version", "controller_version", lambda v: v),
+    ("gamma_min", "gamma_min", lambda v: v), ("gamma_max", "gamma_max", lambda v: v),
+    ("kv_window", "kv_window", lambda v: v), ("kv_coded", "kv_coded", bool), ("no_reuse", "reuse", lambda v: not v),
+    ("prefix_budget", "prefix_budget_mib", float), ("max_new_tokens", "max_new_tokens", int),
+    ("temperature", "temperature", float), ("top_p", "top_p", float), ("seed", "seed", lambda v: v),
+]
+# Set from the policy unless given with it: a new policy brings its own γ range and controller.
+_FOLLOW_POLICY = ("gamma_min", "gamma_max", "controller", "controller_version")
+
+
+def _flag_defaults(name: str) -> argparse.ArgumentParser:
+    """A parser holding command `name`'s flags, for their defaults (`get_default`)."""
+    _, _, args, models, _ = COMMANDS[name]
+    p = argparse.ArgumentParser(add_help=False)
+    if models:
+        add_model_args(p)
+    for flag, kw in args:
+        p.add_argument(flag, **{k: v for k, v in kw.items() if k != "required"})
+    return p
+
+
+def _tuned(a: argparse.Namespace, name: str):
+    """The TunedConfig of command `name`: `--config`'s file overridden by the flags set to other
+    than their defaults, or the flags alone."""
+    from engine.export import from_dict, load_config
+
+    defaults = _flag_defaults(name)
+    flags = [(dest, key, conv) for dest, key, conv in _TUNED_FLAGS if hasattr(a, dest)]
+    if not a.config:
+        values = {key: conv(getattr(a, dest)) for dest, key, conv in flags}
+        return from_dict({k: v for k, v in values.items() if v is not None}, "flags")
+    base = load_config(a.config).to_dict()
+    given = {key: conv(getattr(a, dest)) for dest, key, conv in flags if getattr(a, dest) != defaults.get_default(dest)}
+    if "policy" in given and given["policy"] != base["policy"]:
+        base.update({k: None for k in _FOLLOW_POLICY if k not in given})
+    if not given:
+        return from_dict(base, f"config {a.config}")
+    return from_dict(dict(base, **given), f"config {a.config} with the flags given")
+
+
+def _apply_config(a: argparse.Namespace, cfg) -> None:
+    """Puts a TunedConfig's values into `generate`'s arguments (the controller version pinned)."""
+    a.target = None if cfg.target == "embedded" else cfg.target
+    a.draft, a.target_tier, a.draft_tier, a.kv_tier = cfg.draft, cfg.target_tier, cfg.draft_tier, cfg.kv_tier
+    a.policy, a.max_new_tokens, a.temperature, a.top_p = cfg.pinned_policy(), cfg.max_new_tokens, cfg.temperature, cfg.top_p
+    a.seed, a.no_reuse, a.prefix_budget = cfg.seed, not cfg.reuse, cfg.prefix_budget_mib
+
+
+@command("export", "export a tuned configuration: SpecLab JSON/YAML (`generate --config` reads it), Hugging Face "
+         "generate kwargs or a vLLM speculative_config; stored with a version per name",
+         ("--config", dict(default=None, help="a SpecLab config to start from; flags set to other than their "
+                           "defaults override it")),
+         ("--format", dict(default="json", choices=("json", "yaml", "hf", "vllm"))),
+         ("--out", dict(default=None, help="write the export to this file instead of printing it")),
+         ("--name", dict(default=None, help="the stored export's name (default: target-policy)")),
+         ("--policy", dict(default=DEFAULT_POLICY, help=f"one of {', '.join(POLICY_EXAMPLES)}")),
+         ("--controller-version", dict(type=int, default=None, help="speckv*: the stored controller's version")),
+         ("--gamma-min", dict(type=int, default=None, help="γ range (default: from the policy)")),
+         ("--gamma-max", dict(type=int, default=None)), KV_TIER_ARG,
+         ("--kv-window", dict(type=int, default=None, help="KV offload window W in tokens")),
+         ("--kv-coded", dict(action="store_true", help="code offloaded KV windows")),
+         ("--no-reuse", dict(action="store_true", help="no cross-request prefix KV")),
+         ("--prefix-budget", dict(type=float, default=512.0, help="prefix cache budget in MiB")),
+         ("--max-new-tokens", dict(type=int, default=128)), ("--temperature", dict(type=float, default=0.0)),
+         ("--top-p", dict(type=float, default=1.0)), ("--seed", dict(type=int, default=None)),
+         models=True, db="DuckDB file the export is stored in; '' stores nothing")
+def cmd_export(a: argparse.Namespace) -> int:
+    from engine.export import default_name, render
+    from engine.service import save_export
+
+    cfg = _tuned(a, "export")
+    name = (a.name or "").strip() or default_name(cfg)
+    if a.db:
+        name, version, text = save_export(a.db, cfg, a.format, name)
+        _say(f"saved as {name} v{version} in {a.db}")
+    else:
+        text = render(cfg, a.format)
+    if a.out:
+        try:
+            Path(a.out).write_text(text, encoding="utf-8")
+        except OSError as e:
+            raise ValueError(f"cannot write {a.out}: {e.strerror or e}") from None
+        _say(f"wrote {a.format} export {name} to {a.out}")
+    else:
+        print(text, end="")
     return 0
 
 

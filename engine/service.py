@@ -456,3 +456,37 @@ def measure_kv(db_path: str, quick: bool = True, target: str | None = None) -> o
     if not callable(run):
         raise ValueError("bench/kv.py has no run(argv) to call")
     return run(["--db", db_path] + (["--quick"] if quick else []) + (["--target", target] if target else []))
+
+
+# -- exports (engine/export.py) -----------------------------------------------------------------
+def save_export(db: str, cfg, fmt: str, name: str | None = None) -> tuple[str, int, str]:
+    """Renders a TunedConfig in `fmt` and stores it as the next version of `name` (default: the
+    target and the policy): (name, version, text). The text is made before the file is opened."""
+    from engine.export import default_name, render
+
+    text = render(cfg, fmt)
+    name = (name or "").strip() or default_name(cfg)
+    if not db:
+        raise ValueError("an export is stored in a database: pass --db")
+    with Store(db, wait_s=3.0) as st:
+        return name, st.add_export(name, cfg.to_dict(), fmt, text), text
+
+
+def stored_exports(db: str):
+    """Every stored export, oldest first (empty when the file does not exist yet)."""
+    import pandas as pd
+
+    if _kv_file_missing(db):
+        return pd.DataFrame(columns=["name", "version", "format", "created_at"])
+    with Store(db, wait_s=3.0) as st:  # read-write: a file from before exports is migrated
+        return st.exports()
+
+
+def latest_live_run(db: str) -> dict | None:
+    """The newest finished live run (what the Export page starts from); None when there is none."""
+    if _kv_file_missing(db):
+        return None
+    with Store(db, wait_s=3.0) as st:
+        runs = st.runs(source="speclab")
+    runs = runs[runs["error"].isna()] if len(runs) else runs
+    return None if not len(runs) else runs.iloc[-1].to_dict()

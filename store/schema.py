@@ -172,6 +172,21 @@ MIGRATIONS: list[str] = [
         result JSON
     );
     """,
+    # 8: exports of a tuned configuration (engine/export.py): one row per saved export, versioned
+    # per name (Store.add_export numbers it in the insert's transaction), with the SpecLab config
+    # it came from and the exported text in its format (json, yaml, hf, vllm).
+    """
+    CREATE TABLE exports (
+        export_id VARCHAR NOT NULL PRIMARY KEY,
+        created_at TIMESTAMP DEFAULT CAST(now() AS TIMESTAMP),
+        name VARCHAR NOT NULL,
+        version INTEGER NOT NULL,
+        format VARCHAR,
+        config JSON,
+        content VARCHAR,
+        UNIQUE (name, version)
+    );
+    """,
 ]
 
 # Values filled in for a missing key, matching the column DEFAULTs above: inserts go BY

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import threading
+import uuid
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from types import TracebackType
@@ -237,6 +238,31 @@ class Store:
         with self._writing(f"KV measurement {measurement_id}") as con:
             insert(con, "kv_measurements", table)
         return measurement_id
+
+    def add_export(self, name: str, config: Mapping[str, Any], fmt: str, content: str) -> int:
+        """Store a new version of export `name` (its SpecLab config and the exported text in
+        format `fmt`); returns the version."""
+        self._check_writable("an export")
+        for what, value in (("name", name), ("format", fmt)):
+            if not isinstance(value, str) or not value.strip():
+                raise StoreError(f"export {what} must be a non-empty string, got {value!r}")
+        if not isinstance(config, Mapping):
+            raise StoreError(f"export config must be a dict, got {type(config).__name__}")
+        if not isinstance(content, str):
+            raise StoreError(f"export content must be text, got {type(content).__name__}")
+        row = {"export_id": uuid.uuid4().hex, "name": name, "format": fmt, "config": dict(config),
+               "content": content}
+        to_table("exports", "export", [dict(row, version=1)])  # validated before the transaction
+        with self._writing(f"export {name!r}") as con:
+            # Numbered in the insert's transaction, so two writers never share a version.
+            row["version"] = con.execute("SELECT coalesce(max(version), 0) + 1 FROM exports WHERE name = ?",
+                                         [name]).fetchall()[0][0]
+            insert(con, "exports", to_table("exports", "export", [row]))
+        return int(row["version"])
+
+    def exports(self, name: str | None = None) -> pd.DataFrame:
+        """Stored exports (of one name, or all), oldest first."""
+        return self._select("exports", "export_id", {} if name is None else {"name": name})
 
     def kv_measurements(self, **equals: Any) -> pd.DataFrame:
         """KV measurements whose columns equal the given values, oldest first."""

