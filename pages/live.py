@@ -24,7 +24,7 @@ DEFAULT_PROMPT = "Write a Python function that checks whether a number is prime.
 # Redraw budget while streaming: every redraw is work for this server and for the browser, which
 # share the cores with torch (on 2 cores per-step redraws cut decode speed 2.5–10×). The text
 # and a status line are cheap; the figure is not, so it is drawn rarely and in full at the end.
-TEXT_INTERVAL_S = 0.5
+TEXT_INTERVAL_S = 1.0
 CHART_INTERVAL_S = 3.0
 # Per-step columns for the table; the per-position lists stay in the store.
 TABLE_COLUMNS = [
