@@ -25,9 +25,11 @@ from collections.abc import Iterator
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from engine.prompts import WORKBENCH_PROMPT as DEFAULT_PROMPT  # noqa: E402 - the page's default prompt
 CHROMIUM = os.environ.get("SPECLAB_CHROMIUM", "/usr/bin/chromium")
 CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking"]
-DEFAULT_PROMPT = "Explain speculative decoding to a new engineer in three sentences."  # pages/live.py's
 
 
 def browser_missing() -> str | None:
@@ -43,7 +45,6 @@ def browser_missing() -> str | None:
 
 def default_policy() -> str:
     """The policy a newcomer meets on the Live decode page."""
-    sys.path.insert(0, str(ROOT))
     from engine.policies import DEFAULT_POLICY
 
     return DEFAULT_POLICY
@@ -85,7 +86,7 @@ def app_server(env: dict[str, str], port: int | None = None, timeout_s: float = 
 
 
 @contextlib.contextmanager
-def chromium_page(viewport: tuple[int, int] = (1400, 1000)) -> Iterator[object]:
+def chromium_page(viewport: tuple[int, int] = (1400, 2400)) -> Iterator[object]:
     """A Playwright page in Debian's Chromium (headless, no sandbox, no GPU)."""
     from playwright.sync_api import sync_playwright
 

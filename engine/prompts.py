@@ -15,6 +15,9 @@ from functools import lru_cache
 from pathlib import Path
 
 TASKS = ("code", "math", "chat", "summarization")
+# The prompt a newcomer meets (Live decode, Compare, bench browser): one the embedded draft knows
+# well (code), so the default run shows where drafting pays and the cost-aware policy when not.
+WORKBENCH_PROMPT = "Write a Python function that checks whether a number is prime."
 HELDOUT_FILE = Path(__file__).parent / "data" / "heldout_prompts.json"
 
 BENCH: dict[str, list[str]] = {

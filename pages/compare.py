@@ -13,8 +13,9 @@ import streamlit as st
 
 from engine import compare as C
 from engine.generation import GenConfig
+from engine.prompts import WORKBENCH_PROMPT
 from engine.models import KV_TIERS, TIERS
-from engine.policies import POLICY_EXAMPLES, parse_policy
+from engine.policies import DEFAULT_POLICY, POLICY_EXAMPLES, parse_policy
 from engine.service import context_for, replay_rows
 from engine.slots import decode_slot
 from pages.common import get_pair, save_run, settings, show_error
@@ -22,9 +23,9 @@ from store import Store
 
 RESULT_KEY = "compare_result"
 WHATIF_KEY = "compare_whatif"
-DEFAULT_PROMPT = "Write a Python function that checks whether a number is prime."
-# Cheap to run anywhere and the comparison everyone asks first: plain decoding against a fixed γ.
-DEFAULT_POLICIES = ["ar", "fixed:4"]
+DEFAULT_PROMPT = WORKBENCH_PROMPT
+# The comparison everyone asks first: plain decoding, a fixed γ, and the cost-aware default.
+DEFAULT_POLICIES = ["ar", "fixed:4", DEFAULT_POLICY]
 POLICY_OPTIONS = list(dict.fromkeys(["ar"] + [f"fixed:{k}" for k in range(1, 9)] + POLICY_EXAMPLES))
 WHATIF_DEFAULT = ["ar", "fixed:2", "fixed:4", "heuristic", "rakv"]
 

@@ -10,6 +10,7 @@ import plotly.graph_objects as go
 import streamlit as st
 from plotly.subplots import make_subplots
 
+from engine.prompts import WORKBENCH_PROMPT
 from engine.models import KV_TIERS, TIERS
 from engine.service import context_for
 from engine.slots import decode_slot
@@ -18,9 +19,7 @@ from engine.generation import GenConfig, Generation, encode_prompt, run_row
 from pages.common import Saved, get_pair, get_prefix_cache, save_run, settings, show_error, show_saved
 
 RESULT_KEY = "live_result"
-# A prompt the embedded draft knows well (code), so the default run shows when drafting pays and,
-# with the cost-aware default policy, when it does not.
-DEFAULT_PROMPT = "Write a Python function that checks whether a number is prime."
+DEFAULT_PROMPT = WORKBENCH_PROMPT
 # Redraw budget while streaming: every redraw is work for this server and for the browser, which
 # share the cores with torch (on 2 cores per-step redraws cut decode speed 2.5–10×). The text
 # and a status line are cheap; the figure is not, so it is drawn rarely and in full at the end.
@@ -271,9 +270,10 @@ def live_panel() -> None:
     """Pressing Generate reruns only this panel."""
     go_, inp = inputs()
     status_ph = st.empty()
+    stop_ph = st.empty()
     if go_:
-        st.button("Stop", key="live_stop", icon=":material/stop:",
-                  help="End the generation after this step; what it made is shown and stored")
+        stop_ph.button("Stop", key="live_stop", icon=":material/stop:",
+                       help="End the generation after this step; what it made is shown and stored")
     out_box = st.container(border=True)
     out_ph = out_box.empty()
     chart_ph = st.empty()
@@ -281,6 +281,7 @@ def live_panel() -> None:
         st.session_state[RESULT_KEY] = None
         st.session_state[RESULT_KEY] = generate(inp, out_ph, chart_ph, status_ph)
         status_ph.empty()
+        stop_ph.empty()
     res = st.session_state.get(RESULT_KEY)
     if res:
         show_result(res, out_ph, chart_ph)

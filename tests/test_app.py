@@ -161,3 +161,32 @@ def test_replay_page_without_traces_says_what_to_run(app_env):
     assert "No acceptance traces" in at.info[0].value
     link = at.page_link[0]  # a first step to click, not a command to type
     assert link.proto.label == "Profile a sweep first" and link.proto.page.endswith("profile")
+
+
+def test_two_sessions_generating_at_once_on_a_fresh_database_keep_both_runs(app_env):
+    """Two browser sessions press Generate together on a database that does not exist yet: the
+    decode slot runs them one after the other and the store keeps both runs (they used to race
+    on creating the schema and the second run was lost)."""
+    import threading
+
+    sessions = [_app(), _app()]
+    for i, at in enumerate(sessions):
+        at.text_area(key="live_prompt").set_value(f"Hello number {i}")
+        at.selectbox(key="live_policy").set_value("fixed:4")
+        at.number_input(key="live_max_new").set_value(12)
+    start = threading.Barrier(2)
+
+    def press(at: AppTest) -> None:
+        start.wait()
+        at.button(key="live_generate").click().run(timeout=120)
+
+    threads = [threading.Thread(target=press, args=(at,)) for at in sessions]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=180)
+    for at in sessions:
+        assert not at.exception and not _errors(at), _errors(at)
+        assert [s.value for s in at.success][0].startswith("Stored as run ")
+    with Store(app_env, read_only=True) as s:
+        assert sorted(s.runs()["prompt"]) == ["Hello number 0", "Hello number 1"]

@@ -22,7 +22,7 @@ def test_renders_on_an_empty_db(app_env):
     at = _compare()
     assert not at.exception and not _errors(at)
     assert at.title[0].value == "Compare"
-    assert at.multiselect(key="compare_policies").value == ["ar", "fixed:4"]
+    assert at.multiselect(key="compare_policies").value == ["ar", "fixed:4", "rakv"]
     assert at.number_input(key="compare_max_new").value == 48
     assert at.text_area(key="compare_prompts").value.count("\n") == 0  # one prompt
     # The what-if tab without traces leads to the Profile page, not to a command line.
