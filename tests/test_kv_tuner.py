@@ -13,7 +13,6 @@ from streamlit.testing.v1 import AppTest
 
 from engine.kv import tuner as T
 from store import Store
-from test_app import _navigation_mode  # noqa: F401  (autouse: st.navigation as a real server runs it)
 
 APP = Path(__file__).resolve().parents[1] / "app.py"
 TARGET = "SmolLM2-135M-Instruct"
