@@ -30,4 +30,4 @@ def tiny_pair(tiny_dirs):
     return load_pair(str(target), str(draft), target_tier="fp32", device="cpu")
 
 
-from apptest import _navigation_mode, app_env  # noqa: E402,F401 - the workbench's AppTest fixtures
+from apptest import app_env  # noqa: E402,F401 - the workbench's AppTest fixture

@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 from streamlit.testing.v1 import AppTest
 
-from apptest import APP, _app, _errors  # noqa: F401 - fixtures: app_env, navigation mode
+from apptest import APP, _app, _errors  # noqa: F401 - the fixture app_env comes from conftest
 from store import Store
 
 
@@ -124,7 +124,7 @@ def test_replay_page_shows_policies_side_by_side_and_retrains(app_env, tiny_pair
             t = trace(tiny_pair, prompt, task, 16)
             s.add_trace(t.row, t.positions)
     at = AppTest.from_file(str(APP), default_timeout=120)
-    at.switch_page("pages/retrain.py").run()
+    at.switch_page("views/retrain.py").run()
     assert not at.exception and not _errors(at)
     assert at.title[0].value == "Replay & retrain"
     table = at.dataframe[0].value
@@ -156,7 +156,7 @@ def test_replay_page_shows_policies_side_by_side_and_retrains(app_env, tiny_pair
 
 def test_replay_page_without_traces_says_what_to_run(app_env):
     at = AppTest.from_file(str(APP), default_timeout=60)
-    at.switch_page("pages/retrain.py").run()
+    at.switch_page("views/retrain.py").run()
     assert not at.exception and not _errors(at)
     assert "No acceptance traces" in at.info[0].value
     link = at.page_link[0]  # a first step to click, not a command to type

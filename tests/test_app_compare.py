@@ -5,13 +5,13 @@ import json
 
 from streamlit.testing.v1 import AppTest
 
-from apptest import APP, _app, _errors  # noqa: F401 - fixtures: app_env, navigation mode
+from apptest import APP, _app, _errors  # noqa: F401 - the fixture app_env comes from conftest
 from store import Store
 
 
 def _compare() -> AppTest:
     at = AppTest.from_file(str(APP), default_timeout=120)
-    return at.switch_page("pages/compare.py").run()
+    return at.switch_page("views/compare.py").run()
 
 
 def _links(at: AppTest) -> list[str]:

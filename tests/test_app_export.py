@@ -5,14 +5,14 @@ import json
 
 import yaml
 
-from apptest import _app, _errors  # noqa: F401 - fixtures: app_env, navigation mode
+from apptest import _app, _errors  # noqa: F401 - the fixture app_env comes from conftest
 from engine.export import TunedConfig, from_dict
 from store import Store
 
 
 def _export_page():
     at = _app()
-    at.switch_page("pages/export.py").run()
+    at.switch_page("views/export.py").run()
     assert not at.exception, at.exception
     return at
 

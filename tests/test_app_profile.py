@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from streamlit.testing.v1 import AppTest
 
-from apptest import APP, _errors  # noqa: F401 - fixtures: app_env, navigation mode
+from apptest import APP, _errors  # noqa: F401 - the fixture app_env comes from conftest
 from engine.jobs import RUNNER
 from engine.slots import decode_slot
 from store import Store
@@ -22,7 +22,7 @@ def _no_sweep_left():
 
 def _page() -> AppTest:
     at = AppTest.from_file(str(APP), default_timeout=120)
-    return at.switch_page("pages/profile.py").run()
+    return at.switch_page("views/profile.py").run()
 
 
 def test_profile_page_renders_with_one_click_defaults(app_env):

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 from streamlit.testing.v1 import AppTest
 
-from apptest import APP, _errors  # noqa: F401 - fixtures: app_env, navigation mode
+from apptest import APP, _errors  # noqa: F401 - the fixture app_env comes from conftest
 from store import Store, StoreError
 
 
@@ -54,7 +54,7 @@ def test_train_compares_with_the_active_version_and_activates_only_when_asked(ap
             t = trace(tiny_pair, prompt, task, 16)
             s.add_trace(t.row, t.positions)
     at = AppTest.from_file(str(APP), default_timeout=120)
-    at.switch_page("pages/retrain.py").run()
+    at.switch_page("views/retrain.py").run()
     assert not at.exception and not _errors(at)
     assert at.radio(key="retrain_source").value == "traces"
 

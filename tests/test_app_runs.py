@@ -3,13 +3,13 @@ from __future__ import annotations
 
 from streamlit.testing.v1 import AppTest
 
-from apptest import APP, _app, _errors  # noqa: F401 - fixtures: app_env, navigation mode
+from apptest import APP, _app, _errors  # noqa: F401 - the fixture app_env comes from conftest
 from store import Store
 
 
 def _runs_page() -> AppTest:
     at = AppTest.from_file(str(APP), default_timeout=120)
-    return at.switch_page("pages/runs.py").run()
+    return at.switch_page("views/runs.py").run()
 
 
 def _links(at: AppTest) -> list[str]:

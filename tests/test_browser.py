@@ -35,8 +35,8 @@ def session(tmp_path_factory):
 
 def _go(page, url: str, title: str) -> None:
     """Open a page from the sidebar's navigation, as a user would."""
-    page.get_by_role("link", name=title).first.click()
-    page.get_by_role("heading", name=title).first.wait_for(timeout=TIMEOUT_MS)
+    page.get_by_role("link", name=title, exact=True).click()
+    page.get_by_role("heading", name=title, exact=True).wait_for(timeout=TIMEOUT_MS)
     B.wait_idle(page, TIMEOUT_MS / 1e3)
 
 
@@ -86,8 +86,8 @@ def test_profile_sweep_runs_in_the_background(session):
     # The page stays usable while the sweep runs: another page opens and answers.
     _go(page, url, "Runs")
     _no_error(page)
-    _go(page, url, "Profile")
-    page.locator('[data-testid="stDataFrame"]').first.wait_for(timeout=TIMEOUT_MS)  # the sweep's table, when it ends
+    _go(page, url, "Profile")  # coming back shows its progress, then its table when it ends
+    page.locator('[data-testid="stDataFrame"]').first.wait_for(timeout=TIMEOUT_MS)
     _no_error(page)
     page.screenshot(path=str(SHOTS / "profile.png"), full_page=True)
 

@@ -401,7 +401,7 @@ def page_env(tmp_path, monkeypatch) -> Path:
 
 def _page() -> AppTest:
     at = AppTest.from_file(str(APP), default_timeout=60)
-    at.switch_page("pages/kv.py").run()
+    at.switch_page("views/kv.py").run()
     return at
 
 

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-PACKAGES = ("engine", "store", "pages", "bench")
+PACKAGES = ("engine", "store", "views", "bench")
 
 
 def _modules() -> dict[str, Path]:
@@ -109,6 +109,6 @@ def test_the_service_layer_and_replay_load_without_torch():
     subprocess.run([sys.executable, "-c", code], cwd=ROOT, check=True)
 
 
-@pytest.mark.parametrize("name", sorted(m for m in MODULES if not m.startswith("pages") and m != "engine.__main__"))
+@pytest.mark.parametrize("name", sorted(m for m in MODULES if not m.startswith("views") and m != "engine.__main__"))
 def test_every_module_imports(name):
     importlib.import_module(name)

@@ -16,7 +16,7 @@ from engine.service import context_for
 from engine.slots import decode_slot
 from engine.policies import DEFAULT_POLICY, POLICY_EXAMPLES, make_policy, parse_policy
 from engine.generation import GenConfig, Generation, encode_prompt, run_row
-from pages.common import Saved, get_pair, get_prefix_cache, save_run, settings, show_error, show_saved
+from views.common import Saved, get_pair, get_prefix_cache, save_run, settings, show_error, show_saved
 
 RESULT_KEY = "live_result"
 DEFAULT_PROMPT = WORKBENCH_PROMPT
@@ -24,7 +24,7 @@ DEFAULT_PROMPT = WORKBENCH_PROMPT
 # share the cores with torch (on 2 cores per-step redraws cut decode speed 2.5–10×). The text
 # and a status line are cheap; the figure is not, so it is drawn rarely and in full at the end.
 TEXT_INTERVAL_S = 1.0
-CHART_INTERVAL_S = 3.0
+CHART_INTERVAL_S = 5.0
 # Per-step columns for the table; the per-position lists stay in the store.
 TABLE_COLUMNS = [
     "step", "position", "k_chosen", "k_drafted", "accepted", "emitted", "text",

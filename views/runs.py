@@ -13,7 +13,7 @@ import streamlit as st
 from plotly.subplots import make_subplots
 
 from engine import runs_view as V
-from pages.common import settings, show_error
+from views.common import settings, show_error
 from store import Store
 
 # The runs table's columns (the rest, lists and config, are in the downloads).
@@ -24,8 +24,8 @@ RUN_COLUMNS = ["created_at", "policy", "target_tier", "kv_tier", "task", "prompt
 def _empty(what: str) -> None:
     st.info(f"{what}: a live decode or a profile sweep stores its runs here.")
     c1, c2 = st.columns(2)
-    c1.page_link("pages/live.py", label="Live decode: one run", icon=":material/bolt:")
-    c2.page_link("pages/profile.py", label="Profile: a sweep of runs", icon=":material/timer:")
+    c1.page_link("views/live.py", label="Live decode: one run", icon=":material/bolt:")
+    c2.page_link("views/profile.py", label="Profile: a sweep of runs", icon=":material/timer:")
 
 
 def load(db: str) -> tuple[pd.DataFrame, pd.DataFrame] | None:

@@ -12,7 +12,7 @@ from plotly.subplots import make_subplots
 
 from engine.kv.tuner import GOALS, KV_TIERS, measured_windows, target_name
 from engine.service import MEASURE_KV_MINUTES, kv_view, latest_kv_measurement, measure_kv
-from pages.common import settings, show_error
+from views.common import settings, show_error
 
 LINKS = [0.1, 0.2, 0.3, 0.5, 1, 2, 3, 5, 10, 20, 30, 50, 100]  # the log slider's stops, Gbit/s
 BITS_COLUMNS = {"kv_tier": "KV tier", "raw_bits": "raw bits", "coded_bits": "coded bits", "zstd19_bits": "zstd-19 bits",

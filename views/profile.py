@@ -14,7 +14,7 @@ from engine.models import KV_TIERS, TIERS
 from engine.policies import POLICY_EXAMPLES, parse_policy
 from engine.profiling import sweep_jobs
 from engine.service import prompt_set, sweep_table
-from pages.common import Settings, _pair, get_pair, settings, show_error
+from views.common import Settings, _pair, get_pair, settings, show_error
 from store import Store
 
 PROMPT_SETS = ["heldout", "bench", "train"]

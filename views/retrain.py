@@ -12,7 +12,7 @@ import pandas as pd
 import streamlit as st
 
 from engine.service import calibrate_all, replay_rows, retrain, tier_label
-from pages.common import settings, show_error
+from views.common import settings, show_error
 from store import Store
 
 DEFAULT_POLICIES = ["ar", "fixed:1", "fixed:2", "fixed:3", "fixed:4", "fixed:6", "heuristic", "rules", "rakv"]
@@ -200,7 +200,7 @@ if overview is not None:
     if not len(traces):
         st.info(f"No acceptance traces in {db} yet: a profile sweep (with “also trace the prompts”) makes them, "
                 "and the live runs and cost tables replay and retraining need.")
-        st.page_link("pages/profile.py", label="Profile a sweep first", icon=":material/timer:")
+        st.page_link("views/profile.py", label="Profile a sweep first", icon=":material/timer:")
     else:
         replay_section(db, traces, controllers)
     retrain_section(db, controllers)

@@ -18,7 +18,7 @@ from engine.models import KV_TIERS, TIERS
 from engine.policies import DEFAULT_POLICY, POLICY_EXAMPLES, parse_policy
 from engine.service import context_for, replay_rows
 from engine.slots import decode_slot
-from pages.common import get_pair, save_run, settings, show_error
+from views.common import get_pair, save_run, settings, show_error
 from store import Store
 
 RESULT_KEY = "compare_result"
@@ -185,7 +185,7 @@ def live_panel() -> None:
 def _no_traces(db: str) -> None:
     st.info(f"No acceptance traces in {db} yet. A profile sweep with “also trace the prompts” records them; "
             "replaying any policy over them then takes seconds.")
-    st.page_link("pages/profile.py", label="Profile: run a sweep and trace its prompts", icon=":material/timer:")
+    st.page_link("views/profile.py", label="Profile: run a sweep and trace its prompts", icon=":material/timer:")
 
 
 def _traces(db: str) -> pd.DataFrame | None:

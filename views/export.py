@@ -10,7 +10,7 @@ import streamlit as st
 from engine.export import (KV_TIERS, WEIGHT_TIERS, TunedConfig, default_name, export_bundle, from_run, to_json,
                            to_yaml, vllm_fields)
 from engine.service import latest_live_run, save_export, stored_exports
-from pages.common import settings, show_error
+from views.common import settings, show_error
 
 PREFILL_KEY = "export_prefill"
 DEFAULT_TIER = "default"  # the draft tier's "loader's default" choice
