@@ -31,3 +31,28 @@ def _errors(at: AppTest) -> list[str]:
     return [e.value for e in at.error]
 
 
+
+
+def open_page(path: str) -> AppTest:
+    """The app switched to one of its pages (`views/….py`), run once."""
+    return AppTest.from_file(str(APP), default_timeout=120).switch_page(path).run()
+
+
+def page_links(at: AppTest) -> list[str]:
+    """The labels of the st.page_link elements: the first steps a page offers."""
+    return [p.proto.label for p in at.get("page_link")]
+
+
+TRACE_PROMPTS = [("code", "def f(x):"), ("chat", "Hi there"), ("math", "1+1="), ("chat", "Tell me")]
+
+
+def store_costs_and_traces(db, pair) -> None:
+    """What replay and retraining read: a cost table and four traces of the tiny pair."""
+    from engine.profiling import measure_costs, trace
+    from store import Store
+
+    with Store(db) as s:
+        s.add_costs(measure_costs(pair, buckets=(8,), reps=2).to_rows(2))
+        for task, prompt in TRACE_PROMPTS:
+            t = trace(pair, prompt, task, 16)
+            s.add_trace(t.row, t.positions)

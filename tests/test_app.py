@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 from streamlit.testing.v1 import AppTest
 
-from apptest import APP, _app, _errors  # noqa: F401 - the fixture app_env comes from conftest
+from apptest import APP, _app, _errors, open_page, store_costs_and_traces  # noqa: F401 - the fixture app_env comes from conftest
 from store import Store
 
 
@@ -115,16 +115,10 @@ def test_engine_errors_are_one_line(app_env, monkeypatch):
 
 
 def test_replay_page_shows_policies_side_by_side_and_retrains(app_env, tiny_pair):
-    from engine.profiling import measure_costs
-    from engine.profiling import Job, run_job, trace
+    from engine.profiling import Job, run_job
 
-    with Store(app_env) as s:
-        s.add_costs(measure_costs(tiny_pair, buckets=(8,), reps=2).to_rows(2))
-        for task, prompt in [("code", "def f(x):"), ("chat", "Hi there"), ("math", "1+1="), ("chat", "Tell me")]:
-            t = trace(tiny_pair, prompt, task, 16)
-            s.add_trace(t.row, t.positions)
-    at = AppTest.from_file(str(APP), default_timeout=120)
-    at.switch_page("views/retrain.py").run()
+    store_costs_and_traces(app_env, tiny_pair)
+    at = open_page("views/retrain.py")
     assert not at.exception and not _errors(at)
     assert at.title[0].value == "Replay & retrain"
     table = at.dataframe[0].value

@@ -5,17 +5,12 @@ import json
 
 from streamlit.testing.v1 import AppTest
 
-from apptest import APP, _app, _errors  # noqa: F401 - the fixture app_env comes from conftest
+from apptest import APP, _app, _errors, open_page, page_links  # noqa: F401 - the fixture app_env comes from conftest
 from store import Store
 
 
 def _compare() -> AppTest:
-    at = AppTest.from_file(str(APP), default_timeout=120)
-    return at.switch_page("views/compare.py").run()
-
-
-def _links(at: AppTest) -> list[str]:
-    return [p.proto.label for p in at.get("page_link")]
+    return open_page("views/compare.py")
 
 
 def test_renders_on_an_empty_db(app_env):
@@ -27,7 +22,7 @@ def test_renders_on_an_empty_db(app_env):
     assert at.text_area(key="compare_prompts").value.count("\n") == 0  # one prompt
     # The what-if tab without traces leads to the Profile page, not to a command line.
     assert "No acceptance traces" in at.info[0].value and "python -m" not in at.info[0].value
-    assert any(link.startswith("Profile") for link in _links(at)), _links(at)
+    assert any(link.startswith("Profile") for link in page_links(at)), page_links(at)
     assert not app_env.exists()  # looking stores nothing
 
 

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 from streamlit.testing.v1 import AppTest
 
-from apptest import APP, _errors  # noqa: F401 - the fixture app_env comes from conftest
+from apptest import APP, _errors, open_page, store_costs_and_traces  # noqa: F401 - the fixture app_env comes from conftest
 from store import Store, StoreError
 
 
@@ -46,15 +46,8 @@ def test_activate_controller_switches_one_name_in_one_step():
 
 
 def test_train_compares_with_the_active_version_and_activates_only_when_asked(app_env, tiny_pair):
-    from engine.profiling import measure_costs, trace
-
-    with Store(app_env) as s:
-        s.add_costs(measure_costs(tiny_pair, buckets=(8,), reps=2).to_rows(2))
-        for task, prompt in [("code", "def f(x):"), ("chat", "Hi there"), ("math", "1+1="), ("chat", "Tell me")]:
-            t = trace(tiny_pair, prompt, task, 16)
-            s.add_trace(t.row, t.positions)
-    at = AppTest.from_file(str(APP), default_timeout=120)
-    at.switch_page("views/retrain.py").run()
+    store_costs_and_traces(app_env, tiny_pair)
+    at = open_page("views/retrain.py")
     assert not at.exception and not _errors(at)
     assert at.radio(key="retrain_source").value == "traces"
 

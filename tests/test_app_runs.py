@@ -3,17 +3,12 @@ from __future__ import annotations
 
 from streamlit.testing.v1 import AppTest
 
-from apptest import APP, _app, _errors  # noqa: F401 - the fixture app_env comes from conftest
+from apptest import APP, _app, _errors, open_page, page_links  # noqa: F401 - the fixture app_env comes from conftest
 from store import Store
 
 
 def _runs_page() -> AppTest:
-    at = AppTest.from_file(str(APP), default_timeout=120)
-    return at.switch_page("views/runs.py").run()
-
-
-def _links(at: AppTest) -> list[str]:
-    return [p.proto.label for p in at.get("page_link")]
+    return open_page("views/runs.py")
 
 
 def test_no_database_is_an_empty_state(app_env):
@@ -21,7 +16,7 @@ def test_no_database_is_an_empty_state(app_env):
     assert not at.exception and not _errors(at)
     assert at.title[0].value == "Runs"
     assert "No database" in at.info[0].value
-    links = _links(at)
+    links = page_links(at)
     assert any(p.startswith("Live decode") for p in links) and any(p.startswith("Profile") for p in links), links
     assert not app_env.exists()  # reading never creates the file
 
