@@ -1,7 +1,6 @@
 """The Streamlit front end, driven headless with AppTest on the tiny test models."""
 from __future__ import annotations
 
-from pathlib import Path
 
 import pytest
 from streamlit.testing.v1 import AppTest

@@ -5,7 +5,7 @@ import json
 
 from streamlit.testing.v1 import AppTest
 
-from apptest import APP, _app, _errors, open_page, page_links  # noqa: F401 - the fixture app_env comes from conftest
+from apptest import _errors, open_page, page_links
 from store import Store
 
 

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 from streamlit.testing.v1 import AppTest
 
-from apptest import APP, _errors, open_page, store_costs_and_traces  # noqa: F401 - the fixture app_env comes from conftest
+from apptest import _errors, open_page, store_costs_and_traces  # noqa: F401 - the fixture app_env comes from conftest
 from store import Store, StoreError
 
 
