@@ -3,13 +3,14 @@
     decision   median ms of one `speckv` decision (our numpy MLP over the candidate γs, the
                objective included) vs sklearn's `predict` on the same rows, the paper's way
                (and its published 0.336 ms); the MLP is trained on the SpecKV file
-    live       per target tier, on held-out prompts never trained on: `ar`, `fixed:k`, `speckv`
-               and `rakv` end to end (wall clock, same run, policies interleaved per prompt in
-               a rotating order, each (prompt, policy) run --repeats times, its median counted);
-               `speckv` is first retrained from acceptance traces of other held-out prompts (the
-               draft never saw either half), the cost table is calibrated against live
-               `ar`/`fixed:1,2,4` steps on those same training prompts, and each adaptive
-               policy is reported against max(ar, best fixed γ) of its tier
+    live       per target tier, on held-out prompts never trained on: `ar`, `fixed:k@p` for every
+               proposer p the pair has (--proposers), `speckv` and `rakv` end to end (wall clock,
+               same run, policies interleaved per prompt in a rotating order, each (prompt,
+               policy) run --repeats times, its median counted); `speckv` is first retrained from
+               acceptance traces (every proposer's) of other held-out prompts (the draft never
+               saw either half), the cost table is calibrated against live `ar`/`fixed:1,2,4`
+               steps on those same training prompts, and each adaptive policy is reported
+               against max(ar, best fixed proposer × γ) of its tier
 
 Run: python bench/controllers.py decision|live [--json]   or   python -m engine bench controllers …"""
 from __future__ import annotations
@@ -24,6 +25,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import numpy as np  # noqa: E402
+
+VERIFY = ("auto", "exact", "fast")  # engine.args.VERIFY_MODES (imported there with torch)
 
 PAPER_DECISION_MS = 0.336
 CALIBRATION_POLICIES = ("ar", "fixed:1", "fixed:2", "fixed:4")
@@ -77,6 +80,7 @@ def split_heldout(prompts: list[tuple[str, str]], n_train: int, n_eval: int) -> 
 
 def live(a: argparse.Namespace) -> dict:
     from engine import prompts as P
+    from engine.args import VERIFY_MODES
     from engine.models import load_pair
     from engine.profiling import Job, run_job
     from engine.service import calibrate_costs, cost_key, cost_table, policy_context, retrain, sweep_table, trace_prompts
@@ -84,13 +88,17 @@ def live(a: argparse.Namespace) -> dict:
 
     db = a.db or str(Path(tempfile.mkdtemp(prefix="speclab-bench-")) / "controllers.duckdb")
     tiers = a.tiers.split(",")
-    policies = ["ar"] + [f"fixed:{k}" for k in a.ks.split(",")] + ["speckv", "rakv"]
     train_prompts, held = split_heldout(P.heldout(), a.train_per_task, a.per_task)
     sweep = f"bench-{int(time.time())}"
+    exact = VERIFY_MODES[getattr(a, "verify", "auto")]
+    load = lambda tier: load_pair(a.target, a.draft, tier, a.draft_tier, a.device,  # noqa: E731
+                                  exact_verify=exact, eagle=getattr(a, "eagle", None))
+    policies: list[str] = []
     with Store(db) as st:
         factors = {}
         for tier in tiers:  # per tier, on the training prompts: costs, traces, calibration runs
-            pair = load_pair(a.target, a.draft, tier, a.draft_tier, a.device)
+            pair = load(tier)
+            policies = policies or live_policies(pair, a.ks, getattr(a, "proposers", None))
             cost_table(st, pair)
             trace_prompts(st, pair, train_prompts, a.max_new_tokens)
             for task, prompt in train_prompts:
@@ -105,7 +113,7 @@ def live(a: argparse.Namespace) -> dict:
         print(f"speckv v{report.version}: test corr {report.test_corr:.3f}, replay gain vs fixed:4 "
               f"{report.whatif_gain_vs_fixed4:+.1%}", file=sys.stderr)
         for tier in tiers:
-            pair = load_pair(a.target, a.draft, tier, a.draft_tier, a.device)
+            pair = load(tier)
             ctx = policy_context(st, pair)
             for rep in range(a.repeats):
                 for i, (task, prompt) in enumerate(held):
@@ -117,7 +125,28 @@ def live(a: argparse.Namespace) -> dict:
             print(f"{tier}: {len(held)} held-out prompts × {len(policies)} policies × {a.repeats} done", file=sys.stderr)
             del pair
         table = sweep_table(st.runs(sweep=sweep))
-    return dict(db=db, sweep=sweep, controller=report.to_dict(), step_factor=factors, tiers=table)
+    for t in table.values():  # the best fixed γ of each proposer (sweep_table's best_fixed is the best of all)
+        fixed = {p: v for p, v in t["tokens_per_s"].items() if p.startswith("fixed:")}
+        by: dict[str, str] = {}
+        for p, v in fixed.items():
+            who = p.partition("@")[2] or "draft"
+            if who not in by or v > fixed[by[who]]:
+                by[who] = p
+        t["best_fixed_by_proposer"] = by
+    return dict(db=db, sweep=sweep, controller=report.to_dict(), step_factor=factors, tiers=table,
+                policies=policies, verify=getattr(a, "verify", "auto"))
+
+
+def live_policies(pair, ks: str, proposers: str | None) -> list[str]:
+    """ar, fixed:k@p for every k and proposer p (default: every one the pair has), speckv and
+    rakv (choosing among those proposers: `rakv@draft+ngram` when they are not all the pair's)."""
+    from engine.oracles import available, check_proposers
+
+    have = available(pair)
+    names = check_proposers(pair, tuple(x for x in proposers.split(",") if x)) if proposers else have
+    at = "" if names == have else "@" + "+".join(names)
+    return (["ar"] + [f"fixed:{k}@{p}" for p in names for k in ks.split(",") if k.strip()]
+            + [f"speckv{at}", f"rakv{at}"])
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -128,6 +157,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--draft", default=None)
     p.add_argument("--draft-tier", default=None)
     p.add_argument("--device", default=None)
+    p.add_argument("--eagle", default=None, help="an EAGLE head directory (default: the embedded target's shipped head; off: none)")
+    p.add_argument("--verify", default="auto", choices=VERIFY, help="the target's verify mode "
+                   "(auto: exact at bf16/fp16; see `python -m engine generate --help`)")
+    p.add_argument("--proposers", default=None, help="proposers of the fixed:k@p policies, and the ones speckv/rakv "
+                   "choose among (default: every one the pair has)")
     p.add_argument("--tiers", default="fp32,bf16")
     p.add_argument("--ks", default="1,2,3,4,6")
     p.add_argument("--per-task", type=int, default=2, help="held-out prompts per task run live (odd ones)")
@@ -149,6 +183,10 @@ def main(argv: list[str] | None = None) -> int:
         from engine.service import format_sweep
 
         print(format_sweep(res["tiers"]))
+        for tier, t in res["tiers"].items():
+            print(f"{tier}: best fixed per proposer: " + ", ".join(
+                f"{p} {t['best_fixed_by_proposer'][p]} {t['tokens_per_s'][t['best_fixed_by_proposer'][p]]:.2f} tok/s"
+                for p in t["best_fixed_by_proposer"]))
         print(f"(data in {res['db']}, sweep {res['sweep']})")
     return 0
 

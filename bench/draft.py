@@ -1,34 +1,88 @@
-"""How good is the draft, and does it pay? On the held-out prompts (never trained on), one run:
+"""Do the proposers pay? On the held-out prompts (never trained on), in ONE run, per tier:
 
-    agreement            teacher-forced greedy agreement with the target on its own responses
-    mean_accepted_at_4   drafted tokens accepted per step, live `fixed:4`
-    tokens_per_step_at_4 the same steps counted as EAGLE/Medusa papers count "acceptance length"
-                         (τ): accepted drafted tokens plus the target's own token
-    draft_cost_ratio     draft forward per token / target forward per token (same context)
-    fixed:k vs ar        end-to-end tokens/s of fixed:1..6 against plain decoding
+    per proposer (draft, eagle when the pair has a head, ngram) and task
+      agreement          the draft model: teacher-forced greedy agreement with the target on its
+                         own responses; eagle, ngram: live first-token acceptance at γ = 4 (the
+                         share of its drafting steps whose first drafted token stood)
+      tau_at_4           τ, tokens per target step including the target's own, over every step
+                         of live `fixed:4@<proposer>` runs (the EAGLE papers' "acceptance length";
+                         an n-gram step without a match counts as the plain step it is)
+      cost_ratio         ms per drafted token / the target's ms per plain step, from the cost
+                         table measured for the setting (engine/profiling.measure_costs)
+    live tok/s, per tier and verify mode (bf16: exact and fast, named), wall clock, policies
+    interleaved per prompt in a rotating order, of
+      ar, fixed:k@<proposer> for each k of --ks and each proposer, rakv (and speckv when --db
+      holds a trained controller), and as peers on the same prompts and max_new_tokens: HF
+      `generate` (ar's peer), HF assisted generation with our draft model at each of a few
+      settings (constant γ, HF's heuristic schedule; its best one is the peer) and HF prompt
+      lookup (`prompt_lookup_num_tokens`)
+    each output against HF `generate`'s (token-identical fraction, first differing position): the
+    divergence of the fast verify at bf16, and the exactness check of every other policy
 
-Run: python bench/draft.py [--json]   or   python -m engine bench draft [--json]"""
+rakv weighs the setting's cost table: measured once per tier and verify mode (the verify's price
+is what the modes differ in), calibrated against the live steps of short runs of ar and every
+fixed policy on a held-out prompt that is not timed. HF assisted gets the draft with HF's own
+forward (the row-invariant reads a live SpecLab run needs are SpecLab's cost, not HF's).
+
+Run: python bench/draft.py [--json]   or   python -m engine bench draft [--json]
+Defaults (1 prompt per task, 96 tokens, γ 2 and 4 per proposer, fp32 and bf16 in both verify
+modes: 136 timed generations) are sized for ~13 minutes on this project's idle 2-core CPU
+(an estimate from its ms per token; the JSON's `elapsed_s` says what a run took)."""
 from __future__ import annotations
 
 import argparse
+import copy
 import json
+import statistics
 import sys
+import time
+from dataclasses import dataclass, field, replace
 from pathlib import Path
+from typing import Callable
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
 from engine.args import add_model_args  # noqa: E402
-from engine.kv.cache import new_cache  # noqa: E402
-from engine.models import ModelPair, load_pair  # noqa: E402
-from engine.policies import make_policy  # noqa: E402
-from engine.prompts import heldout  # noqa: E402
 from engine.common import median_ms  # noqa: E402
+from engine.divergence import first_difference  # noqa: E402
 from engine.forward import sync_device  # noqa: E402
-from engine.generation import Generation, GenConfig, encode_prompt  # noqa: E402
+from engine.generation import GenConfig, Generation, encode_prompt  # noqa: E402
+from engine.kv.cache import new_cache  # noqa: E402
+from engine.models import EXACT_VERIFY_TIERS, ModelPair, load_pair  # noqa: E402
+from engine.oracles import available  # noqa: E402
+from engine.policies import PolicyContext, make_policy  # noqa: E402
+from engine.prompts import heldout  # noqa: E402
+
+HF_ASSISTED = ("constant:2", "constant:4", "heuristic")  # HF assisted settings timed by default
+HF_ASSISTED_KNOWN = "constant:K (K tokens a step, no confidence stop), heuristic (HF's +2/−1 schedule from 4), " \
+                    "default (HF's own defaults: 20 tokens, constant, dynamic confidence stop 0.4)"
+HF_DEFAULTS = dict(num_assistant_tokens=20, num_assistant_tokens_schedule="constant", assistant_confidence_threshold=0.4)
+GAMMA = 4  # τ is reported at this γ: fixed:4@<proposer> always runs
 
 
+@dataclass
+class Options:
+    per_task: int = 1  # held-out prompts per task, timed
+    max_new: int = 96
+    ks: tuple[int, ...] = (2, 4)  # fixed γ per proposer (GAMMA is always among them)
+    proposers: tuple[str, ...] | None = None  # None: every proposer the pair has
+    hf_assisted: tuple[str, ...] = HF_ASSISTED
+    hf_lookup: tuple[int, ...] = (4,)  # prompt_lookup_num_tokens values
+    cost_buckets: tuple[int, ...] = (64,)  # contexts the cost table is measured at (held-out contexts: 40–190)
+    cost_reps: int = 3
+    calibrate_tokens: int = 24  # max_new_tokens of the calibration runs (0: the bare measured costs)
+    agreement_per_task: int | None = None  # held-out prompts per task for the draft's agreement (None: the timed ones)
+    repeats: int = 1  # runs of each (prompt, policy); the median time counts
+    forward_reps: int = 24  # timed forwards of the draft's and the target's raw per-token cost
+    controller: Callable | None = None  # speckv's controller loader (service.controller_loader); None: rakv only
+    speckv_note: str = "speckv not run: no stored controller (pass --db FILE holding one, e.g. from `bench controllers live --db FILE`)"
+    prompts: list[tuple[str, str]] | None = None  # (task, prompt); None: engine.prompts.heldout()
+    say: Callable[[str], None] = field(default=lambda m: print(m, file=sys.stderr, flush=True))
+
+
+# -- the draft model's teacher-forced agreement and raw forward costs (as before) ---------------------
 @torch.inference_mode()
 def agreement(pair: ModelPair, prompt_ids: list[int], response: list[int]) -> tuple[int, int]:
     """(hits, positions): draft argmax == target's greedy token, along the target's response."""
@@ -54,76 +108,548 @@ def per_token_ms(model, ids: list[int], device: torch.device, n: int = 24) -> fl
     return median_ms(once, n, warmup=3, sync=lambda: sync_device(device))
 
 
-def measure(pair: ModelPair, per_task: int, max_new: int, ks: list[int]) -> dict:
-    prompts = heldout()
-    by_task: dict[str, list[int]] = {}  # task -> [hits, positions]
-    for task, p in prompts:  # agreement on every held-out prompt: cheap, one forward each
-        ids = encode_prompt(pair.tokenizer, p, chat=True)
-        resp = Generation(pair, ids, make_policy("ar"), GenConfig(max_new_tokens=max_new)).run().token_ids
-        h, n = agreement(pair, ids, resp)
-        tally = by_task.setdefault(task, [0, 0])
-        tally[0], tally[1] = tally[0] + h, tally[1] + n
-    hits, total = (sum(col) for col in zip(*by_task.values()))
-    timed = [encode_prompt(pair.tokenizer, p, chat=True) for _, p in heldout(per_task)]
-    ctx = timed[0] * 2  # a mid-length context for the cost probe
-    draft_ms = per_token_ms(pair.draft, ctx, pair.device)
-    target_ms = per_token_ms(pair.target, ctx, pair.device)
-    policies = ["ar"] + [f"fixed:{k}" for k in ks]
-    tokens = dict.fromkeys(policies, 0)
-    seconds = dict.fromkeys(policies, 0.0)
-    accepted, emitted = [], []
-    Generation(pair, timed[0], make_policy("fixed:4"), GenConfig(max_new_tokens=8)).run()  # warm-up
-    for i, ids in enumerate(timed):
-        shift = i % len(policies)  # rotate the order: no policy always runs first
-        for pol in policies[shift:] + policies[:shift]:
-            g = Generation(pair, ids, make_policy(pol), GenConfig(max_new_tokens=max_new)).run()
-            tokens[pol] += g.summary.n_tokens
-            seconds[pol] += g.summary.wall_ms / 1e3
-            if pol == "fixed:4":
-                accepted += [r.accepted for r in g.records[1:] if r.k_drafted]
-                emitted += [r.emitted for r in g.records[1:] if r.k_drafted]
-    tok_s = {p: tokens[p] / seconds[p] for p in policies}
-    best = max((p for p in policies if p != "ar"), key=tok_s.get)
+# -- settings -----------------------------------------------------------------------------------------
+MODES = {"auto": None, "exact": True, "fast": False}
+
+
+def settings_for(tiers: list[str], verify: str) -> list[tuple[str, str]]:
+    """(tier, verify mode) to time: `auto` times both modes where they differ (bf16, fp16), the
+    loader's default elsewhere; `exact`/`fast` that mode at every tier."""
+    out = []
+    for tier in tiers:
+        modes = ["exact", "fast"] if verify == "auto" and tier in EXACT_VERIFY_TIERS else [verify]
+        out += [(tier, m) for m in modes]
+    return out
+
+
+def label(tier: str, mode: str) -> str:
+    return tier if mode == "auto" else f"{tier}/{mode}"
+
+
+def policies_for(pair: ModelPair, opts: Options, speckv: bool) -> list[str]:
+    names = _proposers(pair, opts)
+    fixed = [f"fixed:{k}@{p}" for p in names for k in _ks(opts)]
+    at = "" if names == available(pair) else "@" + "+".join(names)
+    return ["ar", *fixed, f"rakv{at}"] + ([f"speckv{at}"] if speckv else [])
+
+
+def _proposers(pair: ModelPair, opts: Options) -> tuple[str, ...]:
+    """The proposers timed: --proposers (a known one the pair lacks, eagle without a head, is
+    left out) or every one the pair has."""
+    from engine.records import PROPOSER_NAMES
+
+    have = available(pair)
+    if opts.proposers is None:
+        return have
+    unknown = [p for p in opts.proposers if p not in PROPOSER_NAMES]
+    if unknown:
+        raise ValueError(f"unknown proposer(s) {', '.join(unknown)}; known: {', '.join(PROPOSER_NAMES)}")
+    names = tuple(p for p in have if p in opts.proposers)
+    if not names:
+        raise ValueError(f"none of the proposers {', '.join(opts.proposers)} is available; this pair has: {', '.join(have)}")
+    return names
+
+
+def _ks(opts: Options) -> list[int]:
+    return sorted(set(opts.ks) | {GAMMA})
+
+
+def hf_settings(opts: Options) -> list[str]:
+    return ["hf_generate", *(f"hf_assisted:{s}" for s in opts.hf_assisted), *(f"hf_lookup:{n}" for n in opts.hf_lookup)]
+
+
+def check_hf_assisted(spec: str) -> None:
+    kind, _, k = spec.partition(":")
+    ok = (kind == "constant" and k.isdigit() and int(k) >= 1) or (spec in ("heuristic", "default"))
+    if not ok:
+        raise ValueError(f"unknown HF assisted setting {spec!r}; known: {HF_ASSISTED_KNOWN}")
+
+
+# -- running ------------------------------------------------------------------------------------------
+def _per_task(prompts: list[tuple[str, str]], n: int) -> list[tuple[str, str]]:
+    """The first n prompts of each task, in the list's order."""
+    seen: dict[str, int] = {}
+    out = []
+    for task, p in prompts:
+        if seen.get(task, 0) < n:
+            out.append((task, p))
+            seen[task] = seen.get(task, 0) + 1
+    return out
+
+
+def _steps(g: Generation) -> list[tuple[int, int, int, str]]:
+    """(k drafted, accepted, emitted, proposer) of each step after the prefill."""
+    return [(r.k_drafted, r.accepted, r.emitted, r.proposer) for r in g.records[1:]]
+
+
+def speclab_runner(pair: ModelPair, policy: str, ctx: PolicyContext | None) -> Callable:
+    def run(ids: list[int], n: int) -> tuple[list[int], list | None, float]:
+        gen = Generation(pair, ids, make_policy(policy, ctx), GenConfig(max_new_tokens=n))
+        sync_device(pair.device)
+        t0 = time.perf_counter()
+        gen.run()
+        sync_device(pair.device)
+        return gen.token_ids, _steps(gen), time.perf_counter() - t0
+    return run
+
+
+def hf_assistant(pair: ModelPair) -> torch.nn.Module:
+    """The draft as HF assisted generation gets it: HF's own forward (a copy without the
+    row-invariant reads SpecLab's live runs need)."""
+    if not pair.draft_row_invariant:
+        return pair.draft  # its row-by-row verify patch acts only inside SpecLab's verify
+    from engine import invariance
+
+    m = copy.deepcopy(pair.draft)
+    invariance.undo_row_invariant(m)
+    return m
+
+
+def hf_runner(pair: ModelPair, setting: str, assistant: torch.nn.Module | None) -> Callable:
+    from engine.export import TunedConfig, hf_bind, hf_generate_kwargs
+
+    kind, _, arg = setting.partition(":")
+
+    def kwargs(n: int) -> dict:
+        kw = dict(max_new_tokens=n, do_sample=False)
+        if kind == "hf_assisted":
+            if arg == "default":
+                kw = hf_bind(dict(kw, assistant_model=None, **HF_DEFAULTS), assistant)
+            else:
+                policy = "heuristic" if arg == "heuristic" else f"fixed:{arg.split(':')[1]}"
+                kw = hf_bind(hf_generate_kwargs(TunedConfig(policy=policy, max_new_tokens=n)), assistant)
+        elif kind == "hf_lookup":
+            kw["prompt_lookup_num_tokens"] = int(arg)
+        return kw
+
+    pad = pair.tokenizer.pad_token_id if pair.tokenizer.pad_token_id is not None else pair.tokenizer.eos_token_id
+
+    @torch.inference_mode()
+    def run(ids: list[int], n: int) -> tuple[list[int], None, float]:
+        x = torch.tensor([ids], device=pair.device)  # [1, S]
+        kw = kwargs(n)  # binds the assistant's keys before the clock starts
+        sync_device(pair.device)
+        t0 = time.perf_counter()
+        out = pair.target.generate(x, attention_mask=torch.ones_like(x), pad_token_id=pad, **kw)
+        sync_device(pair.device)
+        return out[0, len(ids):].tolist(), None, time.perf_counter() - t0
+    return run
+
+
+def setting_context(pair: ModelPair, tier: str, opts: Options, calib: tuple[str, str]) -> tuple[PolicyContext, dict]:
+    """rakv's (and speckv's) context on this pair: the cost table measured here (the verify
+    mode's own), calibrated against live steps of ar and every fixed policy on a prompt not
+    timed, through a temporary store as `python -m engine` builds it (service.policy_context).
+    Also returns what was measured, for the report."""
+    from engine.costs import CostTable
+    from engine.profiling import Job, measure_costs, run_job
+    from engine.service import calibrate_costs, cost_key, policy_context
+    from store import Store
+
+    t0 = time.perf_counter()
+    bare: CostTable = measure_costs(pair, buckets=opts.cost_buckets, reps=opts.cost_reps)
+    info = dict(buckets=bare.buckets, verify_ms=bare.verify_ms, calibrated=False,
+                draft_ms={p: bare.drafting(p).ms for p in bare.proposers}, measure_s=time.perf_counter() - t0)
+    with Store(":memory:") as st:
+        st.add_costs(bare.to_rows(opts.cost_reps))
+        if opts.calibrate_tokens > 0:
+            task, prompt = calib
+            for pol in [p for p in policies_for(pair, opts, False) if p.startswith(("ar", "fixed:"))]:
+                row, steps = run_job(pair, Job(tier, task, prompt, pol), None, opts.calibrate_tokens)
+                st.add_run(dict(row, sweep="bench-draft-calibration"), steps)
+            try:
+                info["step_factor"] = calibrate_costs(st, cost_key(pair)).step_factor
+                info["calibrated"] = True
+            except ValueError as e:
+                info["calibration_note"] = str(e)
+        ctx = policy_context(st, pair)  # the newest table (calibrated when it could be), priors from those steps
+    if opts.controller is not None:
+        ctx = replace(ctx, controller=opts.controller)
+    info["priors"] = dict(ctx.priors)
+    return ctx, info
+
+
+@dataclass
+class Entry:
+    name: str  # policy or HF setting
+    where: str  # the setting label (SpecLab) or the tier (HF peers)
+    run: Callable[[list[int], int], tuple[list[int], list | None, float]]
+
+
+def time_tier(entries: list[Entry], timed: list[list[int]], opts: Options, say=lambda m: None) -> dict:
+    """(where, name) → per prompt {tokens, seconds: [per repeat], output, steps}: every entry on
+    every prompt, interleaved per prompt in a rotating order (drift hits all alike)."""
+    for e in entries:  # first calls (allocations, lazy inits) off the clock
+        e.run(timed[0], min(4, opts.max_new))
+    out: dict[tuple[str, str], list[dict]] = {(e.where, e.name): [{} for _ in timed] for e in entries}
+    for rep in range(opts.repeats):
+        for i, ids in enumerate(timed):
+            shift = (i + rep) % len(entries)
+            for e in entries[shift:] + entries[:shift]:
+                tokens, steps, seconds = e.run(ids, opts.max_new)
+                r = out[(e.where, e.name)][i]
+                r.setdefault("seconds", []).append(seconds)
+                if "output" not in r:
+                    r.update(tokens=len(tokens), output=tokens, steps=steps)
+            say(f"  prompt {i + 1}/{len(timed)} × {len(entries)} (repeat {rep + 1}/{opts.repeats})")
+    return out
+
+
+# -- tables -------------------------------------------------------------------------------------------
+def _tok_s(runs: list[dict], idx: list[int]) -> float:
+    tokens = sum(runs[i]["tokens"] for i in idx)
+    seconds = sum(statistics.median(runs[i]["seconds"]) for i in idx)
+    return tokens / seconds if seconds > 0 else 0.0
+
+
+def proposer_stats(steps_per_prompt: list[list[tuple]], idx: list[int]) -> dict:
+    steps = [s for i in idx for s in (steps_per_prompt[i] or [])]
+    drafting = [s for s in steps if s[0] > 0]
     return dict(
-        agreement=hits / max(total, 1), agreement_positions=total,
-        agreement_by_task={t: h / max(n, 1) for t, (h, n) in by_task.items()},
-        mean_accepted_at_4=sum(accepted) / max(len(accepted), 1),
-        tokens_per_step_at_4=sum(emitted) / max(len(emitted), 1),
-        draft_ms=draft_ms, target_ms=target_ms, draft_cost_ratio=draft_ms / target_ms,
-        tok_s=tok_s, best_fixed_k=int(best.split(":")[1]), best_fixed_vs_ar=tok_s[best] / tok_s["ar"],
-        fixed_vs_ar={p: tok_s[p] / tok_s["ar"] for p in policies if p != "ar"},
-        heldout_prompts=len(prompts), timed_prompts=len(timed), max_new_tokens=max_new,
+        tau_at_4=sum(s[2] for s in steps) / len(steps) if steps else None,
+        tau_at_4_drafting=sum(s[2] for s in drafting) / len(drafting) if drafting else None,
+        mean_accepted_at_4=sum(s[1] for s in drafting) / len(drafting) if drafting else None,
+        acceptance_at_4=sum(s[1] for s in drafting) / max(sum(s[0] for s in drafting), 1) if drafting else None,
+        first_token_acceptance=sum(s[1] > 0 for s in drafting) / len(drafting) if drafting else None,
+        drafting_share=len(drafting) / len(steps) if steps else None,
+        steps=len(steps),
     )
+
+
+def setting_table(where: str, tier: str, mode: str, pair: ModelPair, policies: list[str], results: dict,
+                  tasks: list[str], hf_ref: list[dict], info: dict) -> dict:
+    """One (tier, verify mode): tok/s of each policy, overall and per task, the best policy,
+    each proposer's τ and acceptance at γ = 4 and cost ratio, and each output against HF generate's."""
+    n = len(tasks)
+    every = list(range(n))
+    by_task_idx = {t: [i for i in every if tasks[i] == t] for t in dict.fromkeys(tasks)}
+    runs = {p: results[(where, p)] for p in policies}
+    tok_s = {p: _tok_s(r, every) for p, r in runs.items()}
+    by_task = {t: {p: _tok_s(r, ix) for p, r in runs.items()} for t, ix in by_task_idx.items()}
+    ar = tok_s["ar"]
+    spec = [p for p in policies if p != "ar"]
+    best = max(spec, key=tok_s.get)
+    fixed = {p: v for p, v in tok_s.items() if p.startswith("fixed:")}
+    best_fixed = max(fixed, key=fixed.get)
+    peer = max(ar, fixed[best_fixed])
+    b = 0  # cost ratios at the first measured context (held-out contexts are short)
+    plain_ms = info["verify_ms"][b][0]
+    proposers = {}
+    for name in info["draft_ms"]:
+        pol = f"fixed:{GAMMA}@{name}"
+        if pol not in runs:
+            continue
+        st = proposer_stats([r["steps"] for r in runs[pol]], every)
+        st["by_task"] = {t: proposer_stats([r["steps"] for r in runs[pol]], ix) for t, ix in by_task_idx.items()}
+        st.update(draft_ms_per_token=info["draft_ms"][name][b], target_ms_per_step=plain_ms,
+                  cost_ratio=info["draft_ms"][name][b] / plain_ms)
+        proposers[name] = st
+    firsts = {p: [first_difference(hf_ref[i]["output"], runs[p][i]["output"]) for i in every] for p in policies}
+    worst_task = min(by_task, key=lambda t: by_task[t][best] / by_task[t]["ar"])
+    return dict(
+        tier=tier, verify=mode if mode != "auto" else ("exact" if pair.exact_verify else "batched"),
+        exact_verify=pair.exact_verify, tok_s=tok_s, vs_ar={p: v / ar for p, v in tok_s.items()},
+        by_task=by_task, best_policy=best, best_vs_ar=tok_s[best] / ar,
+        worst_task=worst_task, worst_task_vs_ar=by_task[worst_task][best] / by_task[worst_task]["ar"],
+        best_fixed=best_fixed, peer=peer, best_fixed_by_proposer=_best_fixed_by_proposer(fixed),
+        adaptive_vs_peer={p: tok_s[p] / peer for p in policies if p.startswith(("rakv", "speckv"))},
+        proposers=proposers, identical_to_hf_generate={p: sum(f is None for f in fs) / n for p, fs in firsts.items()},
+        first_divergence=firsts, costs=info,
+    )
+
+
+def _best_fixed_by_proposer(fixed: dict[str, float]) -> dict[str, str]:
+    by: dict[str, str] = {}
+    for p, v in fixed.items():
+        who = p.partition("@")[2] or "draft"
+        if who not in by or v > fixed[by[who]]:
+            by[who] = p
+    return by
+
+
+def tier_table(tier: str, settings: dict[str, dict], hf: dict[str, list[dict]], tasks: list[str]) -> dict:
+    """A tier's SpecLab settings against its HF peers: the best (verify mode, policy), and its
+    ratios against ar (the faster of the tier's ar runs), HF generate, HF assisted and HF prompt
+    lookup at their best setting; per task against ar."""
+    every = list(range(len(tasks)))
+    hf_tok = {s: _tok_s(r, every) for s, r in hf.items()}
+    hf_ref = hf["hf_generate"]
+    hf_identical = {s: sum(first_difference(hf_ref[i]["output"], r[i]["output"]) is None for i in every) / len(every)
+                    for s, r in hf.items()}
+    assisted = {s: v for s, v in hf_tok.items() if s.startswith("hf_assisted:")}
+    lookup = {s: v for s, v in hf_tok.items() if s.startswith("hf_lookup:")}
+    where, best = max(((w, t["best_policy"]) for w, t in settings.items()), key=lambda wp: settings[wp[0]]["tok_s"][wp[1]])
+    best_tok = settings[where]["tok_s"][best]
+    ar = max(t["tok_s"]["ar"] for t in settings.values())
+    task_ar = {task: max(t["by_task"][task]["ar"] for t in settings.values()) for task in dict.fromkeys(tasks)}
+    by_task_vs_ar = {task: settings[where]["by_task"][task][best] / a for task, a in task_ar.items()}
+    worst = min(by_task_vs_ar, key=by_task_vs_ar.get)
+    out = dict(
+        settings=list(settings), ar_tok_s=ar, best_setting=where, best_verify=settings[where]["verify"],
+        best_policy=best, best_tok_s=best_tok, best_vs_ar=best_tok / ar,
+        best_vs_hf_generate=best_tok / hf_tok["hf_generate"], ar_vs_hf_generate=ar / hf_tok["hf_generate"],
+        by_task_vs_ar=by_task_vs_ar, worst_task=worst, worst_task_vs_ar=by_task_vs_ar[worst],
+        hf_tok_s=hf_tok, hf_identical_to_hf_generate=hf_identical,
+        hf_by_task={task: {s: _tok_s(r, [i for i in every if tasks[i] == task]) for s, r in hf.items()}
+                    for task in dict.fromkeys(tasks)},
+    )
+    if assisted:
+        a = max(assisted, key=assisted.get)
+        out.update(hf_assisted_best=a, hf_assisted_best_tok_s=assisted[a], best_vs_hf_assisted=best_tok / assisted[a])
+    if lookup:
+        lk = max(lookup, key=lookup.get)
+        out.update(hf_lookup_best=lk, hf_lookup_best_tok_s=lookup[lk], best_vs_hf_lookup=best_tok / lookup[lk])
+    return out
+
+
+# -- the whole run ------------------------------------------------------------------------------------
+def measure(load: Callable[[str, bool | None], ModelPair], settings: list[tuple[str, str]], opts: Options) -> dict:
+    """The benchmark: `load(tier, exact_verify)` gives each setting's pair (a tier's pairs are
+    held together, its policies and HF peers interleaved); returns the report (module doc)."""
+    t_start = time.perf_counter()
+    say = opts.say
+    for s in opts.hf_assisted:
+        check_hf_assisted(s)
+    prompts = opts.prompts or heldout()
+    timed_prompts = _per_task(prompts, opts.per_task)
+    rest = [tp for tp in prompts if tp not in timed_prompts]
+    calib = rest[0] if rest else timed_prompts[0]
+    tasks = [t for t, _ in timed_prompts]
+    tiers: dict[str, list[str]] = {}
+    for tier, mode in settings:
+        tiers.setdefault(tier, []).append(mode)
+    res: dict = dict(settings={}, tiers={}, timed_prompts=len(timed_prompts), max_new_tokens=opts.max_new,
+                     ks=_ks(opts), repeats=opts.repeats, calibration_prompt=calib[1][:60],
+                     speckv=None if opts.controller is not None else opts.speckv_note)
+    first = True
+    for tier, modes in tiers.items():
+        pairs = {label(tier, m): load(tier, MODES[m]) for m in modes}
+        labels = list(pairs)
+        if first:  # what the pair is, and the draft model's own figures, once
+            p0 = pairs[labels[0]]
+            res.update(target=p0.target_name, draft=p0.draft_name, draft_tier=p0.draft_tier, eagle=p0.eagle_name or None,
+                       device=str(p0.device), threads=torch.get_num_threads(), proposers_available=list(available(p0)))
+        timed = [encode_prompt(pairs[labels[0]].tokenizer, p, chat=True) for _, p in timed_prompts]
+        entries, contexts, policies = [], {}, {}
+        for where, pair in pairs.items():
+            say(f"{where}: measuring costs{' and calibrating them' if opts.calibrate_tokens else ''}…")
+            ctx, info = setting_context(pair, tier, opts, calib)
+            contexts[where] = info
+            policies[where] = policies_for(pair, opts, opts.controller is not None)
+            entries += [Entry(p, where, speclab_runner(pair, p, ctx)) for p in policies[where]]
+        # HF's peers on the pair whose target runs HF's own forward (the fast or default mode's)
+        hf_where = next((w for w, m in zip(labels, modes) if m != "exact"), labels[0])
+        hf_pair = pairs[hf_where]
+        assistant = hf_assistant(hf_pair) if opts.hf_assisted else None
+        entries += [Entry(s, tier, hf_runner(hf_pair, s, assistant)) for s in hf_settings(opts)]
+        say(f"{tier}: timing {len(entries)} policies and peers on {len(timed)} prompts × {opts.repeats}…")
+        results = time_tier(entries, timed, opts, say)
+        hf = {s: results[(tier, s)] for s in hf_settings(opts)}
+        tables = {w: setting_table(w, tier, m, pairs[w], policies[w], results, tasks, hf["hf_generate"], contexts[w])
+                  for w, m in zip(labels, modes)}
+        res["settings"].update(tables)
+        res["tiers"][tier] = tier_table(tier, tables, hf, tasks)
+        if first:
+            res.update(_draft_figures(pairs[labels[0]], prompts, timed_prompts, results, labels[0], opts))
+            first = False
+        del pairs, entries, assistant, hf_pair
+    res.update(headline(res))
+    res["elapsed_s"] = time.perf_counter() - t_start
+    return res
+
+
+def _draft_figures(pair: ModelPair, prompts, timed_prompts, results, where: str, opts: Options) -> dict:
+    """The draft model's teacher-forced agreement (along ar's outputs: the target's greedy ones)
+    and its raw forward cost against the target's, as this benchmark reported them before."""
+    n = opts.agreement_per_task or opts.per_task
+    chosen = _per_task(prompts, max(n, 1))
+    ar_out = {p: r["output"] for (_, p), r in zip(timed_prompts, results[(where, "ar")])}
+    by_task: dict[str, list[int]] = {}
+    for task, p in chosen:
+        ids = encode_prompt(pair.tokenizer, p, chat=True)
+        resp = ar_out.get(p)
+        if resp is None:  # a prompt not timed: the target's greedy response, untimed
+            resp = Generation(pair, ids, make_policy("ar"), GenConfig(max_new_tokens=opts.max_new)).run().token_ids
+        h, k = agreement(pair, ids, resp)
+        tally = by_task.setdefault(task, [0, 0])
+        tally[0], tally[1] = tally[0] + h, tally[1] + k
+    hits, total = (sum(col) for col in zip(*by_task.values()))
+    ctx = encode_prompt(pair.tokenizer, timed_prompts[0][1], chat=True) * 2  # a mid-length context
+    draft_ms = per_token_ms(pair.draft, ctx, pair.device, opts.forward_reps)
+    target_ms = per_token_ms(pair.target, ctx, pair.device, opts.forward_reps)
+    return dict(agreement=hits / max(total, 1), agreement_positions=total, agreement_prompts=len(chosen),
+                agreement_by_task={t: h / max(k, 1) for t, (h, k) in by_task.items()},
+                draft_ms=draft_ms, target_ms=target_ms, draft_cost_ratio=draft_ms / target_ms)
+
+
+def headline(res: dict) -> dict:
+    """The keys the issue asks for, from the tables."""
+    tiers, settings = res["tiers"], res["settings"]
+    first_tier = next(iter(tiers))
+    head_tier = "fp32" if "fp32" in tiers else first_tier
+    bf = next((t for t in ("bf16", "fp16") if t in tiers), None)
+    head_setting = tiers[head_tier]["settings"][0]
+    props = settings[head_setting]["proposers"]
+    out: dict = {}
+    taus = {p: s["tau_at_4"] for p, s in props.items() if s["tau_at_4"] is not None}
+    best_prop = max(taus, key=taus.get) if taus else None
+    out.update(tau_at_4=taus.get(best_prop), tau_at_4_proposer=best_prop, tau_at_4_setting=head_setting)
+    out["proposers"] = {p: dict(
+        agreement=res.get("agreement") if p == "draft" else s["first_token_acceptance"],
+        agreement_kind="teacher-forced greedy agreement" if p == "draft" else "live first-token acceptance at γ=4",
+        agreement_by_task=res.get("agreement_by_task") if p == "draft"
+        else {t: v["first_token_acceptance"] for t, v in s["by_task"].items()},
+        tau_at_4=s["tau_at_4"], tau_at_4_by_task={t: v["tau_at_4"] for t, v in s["by_task"].items()},
+        acceptance_at_4=s["acceptance_at_4"], drafting_share=s["drafting_share"], cost_ratio=s["cost_ratio"],
+        draft_ms_per_token=s["draft_ms_per_token"]) for p, s in props.items()}
+    out["best_policy"] = tiers[head_tier]["best_policy"]
+    out["best_setting"] = tiers[head_tier]["best_setting"]
+    out["best_policy_by_tier"] = {t: f"{v['best_policy']} ({v['best_setting']})" for t, v in tiers.items()}
+    out["best_vs_ar_fp32"] = tiers["fp32"]["best_vs_ar"] if "fp32" in tiers else None
+    out["best_vs_ar_bf16"] = tiers[bf]["best_vs_ar"] if bf else None
+    out["best_bf16_verify"] = tiers[bf]["best_verify"] if bf else None
+    out["best_vs_ar_by_tier"] = {t: v["best_vs_ar"] for t, v in tiers.items()}
+    out["best_vs_hf_assisted_by_tier"] = {t: v.get("best_vs_hf_assisted") for t, v in tiers.items()}
+    out["best_vs_hf_assisted"] = out["best_vs_hf_assisted_by_tier"][head_tier]
+    out["best_vs_hf_lookup_by_tier"] = {t: v.get("best_vs_hf_lookup") for t, v in tiers.items()}
+    out["worst_task_vs_ar_by_tier"] = {t: v["worst_task_vs_ar"] for t, v in tiers.items()}
+    worst_tier = min(tiers, key=lambda t: tiers[t]["worst_task_vs_ar"])
+    out["worst_task_vs_ar"] = tiers[worst_tier]["worst_task_vs_ar"]
+    out["worst_task"] = f"{tiers[worst_tier]['worst_task']} ({worst_tier})"
+    # The fast verify (at a tier whose exact verify differs from it) against plain greedy decoding.
+    out["fast_verify_divergence"] = {w: _divergence(s) for w, s in settings.items()
+                                     if s["verify"] == "fast" and s["tier"] in EXACT_VERIFY_TIERS}
+    exact = [s for s in settings.values() if s["verify"] != "fast"]
+    out["exact_identical_to_hf_generate"] = (min(min(s["identical_to_hf_generate"].values()) for s in exact)
+                                             if exact else None)
+    return out
+
+
+def _divergence(s: dict) -> dict:
+    """A setting's outputs against HF generate's, over the policies that draft (ar never verifies
+    a drafted token): the share of runs token-identical, and where the others first differ."""
+    firsts = {p: fs for p, fs in s["first_divergence"].items() if p != "ar"}
+    runs = sum(len(fs) for fs in firsts.values())
+    return dict(identical_fraction=sum(f is None for fs in firsts.values() for f in fs) / max(runs, 1), runs=runs,
+                by_policy={p: s["identical_to_hf_generate"][p] for p in firsts}, first_divergence=firsts)
+
+
+# -- output -------------------------------------------------------------------------------------------
+def _fmt(x, spec=".3f") -> str:
+    return "—" if x is None else format(x, spec)
+
+
+def format_report(res: dict) -> str:
+    eagle = f" + EAGLE head {res['eagle']}" if res.get("eagle") else " (no EAGLE head)"
+    lines = [f"{res['target']} + draft {res['draft']} ({res['draft_tier']}){eagle} on {res['device']}, "
+             f"{res['threads']} threads; {res['timed_prompts']} held-out prompts × {res['max_new_tokens']} tokens, "
+             f"{res['repeats']} repeat(s); {res['elapsed_s']:.0f} s"]
+    lines.append(f"  draft model: agreement {res['agreement']:.3f} over {res['agreement_positions']} positions ("
+                 + ", ".join(f"{t} {a:.3f}" for t, a in res["agreement_by_task"].items())
+                 + f"); raw forward {res['draft_ms']:.2f} ms vs target {res['target_ms']:.2f} ms: {res['draft_cost_ratio']:.3f}")
+    lines.append(f"per proposer at {res['tau_at_4_setting']} (γ = {GAMMA}, live):")
+    for p, s in res["proposers"].items():
+        lines.append(f"  {p:6} τ {_fmt(s['tau_at_4'], '.2f')}  agreement {_fmt(s['agreement'])} ({s['agreement_kind']})  "
+                     f"accepted/drafted {_fmt(s['acceptance_at_4'])}  drafts on {_fmt(s['drafting_share'], '.0%')} of steps  "
+                     f"cost ratio {_fmt(s['cost_ratio'])}")
+        lines.append("         τ by task: " + ", ".join(f"{t} {_fmt(v, '.2f')}" for t, v in s["tau_at_4_by_task"].items()))
+    for tier, t in res["tiers"].items():
+        hfa = t.get("hf_assisted_best_tok_s")
+        lines.append(f"{tier}: ar {t['ar_tok_s']:.2f} tok/s; HF generate {t['hf_tok_s']['hf_generate']:.2f} "
+                     f"(ar {t['ar_vs_hf_generate']:.3f}×); best HF assisted {t.get('hf_assisted_best', '—')} {_fmt(hfa, '.2f')}")
+        for s, v in sorted(t["hf_tok_s"].items(), key=lambda kv: -kv[1]):
+            lines.append(f"  {s:24} {v:7.2f} tok/s  {v / t['ar_tok_s']:.3f}× ar  identical to HF generate "
+                         f"{t['hf_identical_to_hf_generate'][s]:.0%}")
+        for w in t["settings"]:
+            st = res["settings"][w]
+            costs = st["costs"]
+            cal = "calibrated" if costs["calibrated"] else "bare (not calibrated)"
+            lines.append(f"  {w} (verify {st['verify']}; costs {cal}, measured in {costs['measure_s']:.0f} s):")
+            for pol, v in sorted(st["tok_s"].items(), key=lambda kv: -kv[1]):
+                rel = f"  {v / hfa:.3f}× HF assisted" if hfa else ""
+                peer = f"  {st['adaptive_vs_peer'][pol]:.3f}× max(ar, best fixed)" if pol in st["adaptive_vs_peer"] else ""
+                lines.append(f"    {pol:18} {v:7.2f} tok/s  {st['vs_ar'][pol]:.3f}× ar{rel}{peer}  identical "
+                             f"{st['identical_to_hf_generate'][pol]:.0%}")
+        lines.append(f"  best: {t['best_policy']} at {t['best_setting']} {t['best_tok_s']:.2f} tok/s = {t['best_vs_ar']:.3f}× ar, "
+                     f"{_fmt(t.get('best_vs_hf_assisted'))}× HF assisted, {_fmt(t.get('best_vs_hf_lookup'))}× HF lookup, "
+                     f"{t['best_vs_hf_generate']:.3f}× HF generate; per task vs ar: "
+                     + ", ".join(f"{k} {v:.3f}" for k, v in t["by_task_vs_ar"].items()))
+    for w, d in res["fast_verify_divergence"].items():
+        firsts = sorted({f for fs in d["first_divergence"].values() for f in fs if f is not None})
+        lines.append(f"{w}: outputs identical to HF generate in {d['identical_fraction']:.0%} of {d['runs']} runs"
+                     + (f"; first differing positions {firsts}" if firsts else ""))
+    if res.get("speckv"):
+        lines.append(res["speckv"])
+    bf16 = (f"; bf16 ({res['best_bf16_verify']} verify) {_fmt(res['best_vs_ar_bf16'])}× ar"
+            if res["best_vs_ar_bf16"] is not None else "")
+    fp32 = f" {_fmt(res['best_vs_ar_fp32'])}× ar at fp32" if res["best_vs_ar_fp32"] is not None else ""
+    lines.append(f"headline: τ@4 {_fmt(res['tau_at_4'], '.2f')} ({res['tau_at_4_proposer']}); best {res['best_policy']}"
+                 f"{fp32}{bf16}; {_fmt(res['best_vs_hf_assisted'])}× HF assisted; worst task "
+                 f"{res['worst_task']} {_fmt(res['worst_task_vs_ar'])}× ar")
+    return "\n".join(lines)
+
+
+def _ints(text: str) -> tuple[int, ...]:
+    return tuple(int(x) for x in text.split(",") if x.strip())
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="bench draft", description=__doc__.splitlines()[0])
     add_model_args(p)
+    p.add_argument("--tiers", default="fp32,bf16", help="target tiers timed (supersedes --target-tier); with "
+                   "--verify auto (the default) bf16/fp16 are timed in both verify modes, exact and fast")
     p.add_argument("--max-new-tokens", type=int, default=96)
-    p.add_argument("--prompts-per-task", type=int, default=3, help="held-out prompts per task for timing")
-    p.add_argument("--ks", default="1,2,3,4,5,6", help="fixed γ values to time against ar")
+    p.add_argument("--prompts-per-task", type=int, default=1, help="held-out prompts per task for timing")
+    p.add_argument("--ks", default="2,4", help=f"fixed γ values per proposer (γ = {GAMMA} always runs: τ)")
+    p.add_argument("--proposers", default=None, help="proposers to time (default: every one the pair has)")
+    p.add_argument("--hf-assisted", default=",".join(HF_ASSISTED), help=f"HF assisted settings: {HF_ASSISTED_KNOWN}")
+    p.add_argument("--hf-lookup", default="4", help="HF prompt_lookup_num_tokens values ('' for none)")
+    p.add_argument("--cost-buckets", default="64", help="contexts the cost table is measured at")
+    p.add_argument("--cost-reps", type=int, default=3, help="timed repetitions per cost point (after 3 warm-up rounds)")
+    p.add_argument("--calibrate-tokens", type=int, default=24, help="length of the calibration runs (0: none)")
+    p.add_argument("--agreement-per-task", type=int, default=None,
+                   help="held-out prompts per task for the draft's agreement (default: the timed ones; 10: all)")
+    p.add_argument("--repeats", type=int, default=1)
+    p.add_argument("--db", default=None, help="a DuckDB file holding a trained speckv controller: speckv is timed too")
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--json", action="store_true")
     a = p.parse_args(argv)
     if a.threads:
         torch.set_num_threads(a.threads)
-    pair = load_pair(a.target, a.draft, a.target_tier, a.draft_tier, a.device, a.trust_remote_code)
-    res = measure(pair, a.prompts_per_task, a.max_new_tokens, [int(k) for k in a.ks.split(",")])
-    res.update(target=pair.target_name, draft=pair.draft_name, target_tier=pair.target_tier,
-               draft_tier=pair.draft_tier, device=str(pair.device), threads=torch.get_num_threads())
-    if a.json:
-        print(json.dumps(res))
-        return 0
-    print(f"{pair.target_name} ({pair.target_tier}) + {pair.draft_name} ({pair.draft_tier}) on {pair.device}")
-    print(f"  agreement {res['agreement']:.3f} over {res['agreement_positions']} held-out positions ("
-          + ", ".join(f"{t} {a:.3f}" for t, a in res["agreement_by_task"].items()) + ")")
-    print(f"  mean accepted at γ=4 {res['mean_accepted_at_4']:.2f} drafted tokens per step "
-          f"({res['tokens_per_step_at_4']:.2f} tokens per step with the target's own, τ)")
-    print(f"  draft {res['draft_ms']:.2f} ms/token vs target {res['target_ms']:.2f}: ratio {res['draft_cost_ratio']:.3f}")
-    for pol, r in res["fixed_vs_ar"].items():
-        print(f"  {pol:8} {res['tok_s'][pol]:6.2f} tok/s  vs ar {res['tok_s']['ar']:6.2f}: {r:.3f}")
-    print(f"  best fixed γ = {res['best_fixed_k']} ({res['best_fixed_vs_ar']:.3f}× ar)")
+    from engine.service import parse_tiers
+
+    opts = Options(per_task=a.prompts_per_task, max_new=a.max_new_tokens, ks=_ints(a.ks),
+                   proposers=tuple(x for x in a.proposers.split(",") if x) if a.proposers else None,
+                   hf_assisted=tuple(x for x in a.hf_assisted.split(",") if x), hf_lookup=_ints(a.hf_lookup),
+                   cost_buckets=_ints(a.cost_buckets), cost_reps=a.cost_reps, calibrate_tokens=a.calibrate_tokens,
+                   agreement_per_task=a.agreement_per_task, repeats=a.repeats)
+    for s in opts.hf_assisted:
+        check_hf_assisted(s)
+    if a.db:
+        opts.controller, opts.speckv_note = _controller(a.db)
+    settings = settings_for(parse_tiers(a.tiers), a.verify)
+
+    def load(tier: str, exact: bool | None) -> ModelPair:
+        return load_pair(a.target, a.draft, tier, a.draft_tier, a.device, a.trust_remote_code,
+                         exact_verify=exact, eagle=a.eagle)
+
+    res = measure(load, settings, opts)
+    print(json.dumps(res, default=str) if a.json else format_report(res))
     return 0
+
+
+def _controller(db: str) -> tuple[Callable | None, str | None]:
+    """speckv's controller loader from `db` (loaded now, the file closed after), or why not."""
+    from engine.service import controller_loader
+    from store import Store
+
+    try:
+        with Store(db, read_only=True) as st:
+            load = controller_loader(st)
+            load("speckv", None)  # the active version, cached while the file is open
+    except Exception as e:  # noqa: BLE001 - no file, no controller: rakv alone, and the report says why
+        return None, f"speckv not run: no speckv controller in {db} ({' '.join(str(e).split())[:160]})"
+    return load, None
 
 
 if __name__ == "__main__":

@@ -15,6 +15,19 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--draft-tier", default=None, choices=TIERS)
     p.add_argument("--device", default=None, help="cpu, cuda, cuda:N (default: CUDA if present)")
     p.add_argument("--trust-remote-code", action="store_true", help="run a model repo's own code")
+    p.add_argument("--verify", default="auto", choices=tuple(VERIFY_MODES),
+                   help="exact: verify forwards batch-invariant, so greedy output equals plain decoding bit for bit "
+                   "(auto does this at bf16/fp16); fast: one batched forward, exact only against its own logits "
+                   "(`divergence` measures the distance)")
+    p.add_argument("--eagle", default=None, help="an EAGLE head directory for proposer `eagle` "
+                   "(default: the embedded target's shipped head; off: none)")
+
+
+VERIFY_MODES = {"auto": None, "exact": True, "fast": False}  # → load_pair(exact_verify=…)
+
+
+def exact_verify(a: argparse.Namespace) -> bool | None:
+    return VERIFY_MODES[getattr(a, "verify", "auto")]
 
 
 # The target's KV cache tier (engine/kv/tiers.py); checked where it is used (GenConfig,

@@ -13,10 +13,10 @@ import sys
 from pathlib import Path
 from typing import Callable, Iterator
 
-from engine.args import KV_TIER_ARG, KV_TIERS_ARG, add_db_arg, add_model_args
+from engine.args import KV_TIER_ARG, KV_TIERS_ARG, add_db_arg, add_model_args, exact_verify
 from engine.common import csv_list, one_line
 from engine.costs import REPS
-from engine.policies import DEFAULT_POLICY, POLICY_EXAMPLES
+from engine.policies import DEFAULT_POLICY, POLICY_EXAMPLES, split_policies
 from engine.service import TRACE_POLICIES
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -52,7 +52,8 @@ def _say(message: str) -> None:
 def _load(a: argparse.Namespace, tier: str, progress: Callable[[str], None] = _say):
     from engine.models import load_pair
 
-    return load_pair(a.target, a.draft, tier, a.draft_tier, a.device, a.trust_remote_code, progress=progress)
+    return load_pair(a.target, a.draft, tier, a.draft_tier, a.device, a.trust_remote_code, progress=progress,
+                     exact_verify=exact_verify(a), eagle=getattr(a, "eagle", None))
 
 
 def _pairs(a: argparse.Namespace, tiers: list[str]) -> Iterator:
@@ -288,13 +289,23 @@ def cmd_divergence(a: argparse.Namespace) -> int:
     return 0
 
 
-def _distill_args() -> list[tuple]:
-    """One flag per DistillConfig field, typed by the field's annotation."""
+def _distill_configs() -> dict[str, type]:
+    """--kind → its config: a few target layers (draft) or a feature-level head (eagle)."""
     from engine.distill import DistillConfig
+    from engine.eagle_train import EagleDistillConfig
 
+    return {"draft": DistillConfig, "eagle": EagleDistillConfig}
+
+
+def _distill_args() -> list[tuple]:
+    """--kind, and one flag per field of either kind's config, typed by the field's annotation."""
     kinds = {"int": int, "float": float, "bool": _bool, "list[int]": _int_list}
-    return [("--" + f.name.replace("_", "-"), dict(type=kinds.get(str(f.type).split(" ")[0], str), default=None))
-            for f in dataclasses.fields(DistillConfig)]
+    flags = {f.name: ("--" + f.name.replace("_", "-"), dict(type=kinds.get(str(f.type).split(" ")[0], str), default=None))
+             for cfg in _distill_configs().values() for f in dataclasses.fields(cfg)}
+    kind = ("--kind", dict(default="draft", choices=tuple(_distill_configs()),
+                           help="draft: target layers re-trained as a small model; eagle: a one-layer head on the "
+                           "target's hidden states"))
+    return [kind, *flags.values()]
 
 
 def _bool(text: str) -> bool:
@@ -310,14 +321,20 @@ def _int_list(text: str) -> list[int]:
         raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
 
 
-@command("distill", "make a draft for a target by distillation (resumable)")
+@command("distill", "make a draft (--kind draft) or an EAGLE head (--kind eagle) for a target by distillation (resumable)")
 def cmd_distill(a: argparse.Namespace) -> int:
     from tqdm import tqdm
 
-    from engine.distill import DistillConfig, run
+    from engine import distill, eagle_train
 
-    given = {f.name: getattr(a, f.name) for f in dataclasses.fields(DistillConfig) if getattr(a, f.name) is not None}
-    run(DistillConfig(**given), progress=tqdm, say=_say)
+    config = _distill_configs()[a.kind]
+    names = {f.name for f in dataclasses.fields(config)}
+    others = sorted({f.name for c in _distill_configs().values() for f in dataclasses.fields(c)} - names)
+    wrong = [n for n in others if getattr(a, n) is not None]
+    if wrong:
+        raise ValueError(f"--{wrong[0].replace('_', '-')} is not an option of distill --kind {a.kind}")
+    given = {n: getattr(a, n) for n in names if getattr(a, n) is not None}
+    {"draft": distill.run, "eagle": eagle_train.run}[a.kind](config(**given), progress=tqdm, say=_say)
     return 0
 
 
@@ -420,7 +437,7 @@ def cmd_whatif(a: argparse.Namespace) -> int:
 
     kv_tiers = parse_kv_tiers(a.kv_tiers) if a.kv_tiers else None
     with Store(a.db, read_only=True) as st:
-        rows = replay_rows(st, csv_list(a.policies), parse_tiers(a.tiers) if a.tiers else None, a.by, kv_tiers)
+        rows = replay_rows(st, split_policies(a.policies), parse_tiers(a.tiers) if a.tiers else None, a.by, kv_tiers)
     if a.json:
         print(json.dumps(rows))
         return 0
@@ -471,7 +488,7 @@ def cmd_profile(a: argparse.Namespace) -> int:
     from engine.service import format_sweep, parse_kv_tiers, parse_tiers, profile, prompt_set, sweep_table
     from store import Store
 
-    tiers, prompts, policies = parse_tiers(a.tiers), prompt_set(a.prompts, a.per_task), csv_list(a.policies)
+    tiers, prompts, policies = parse_tiers(a.tiers), prompt_set(a.prompts, a.per_task), split_policies(a.policies)
     kv_tiers = parse_kv_tiers(a.kv_tiers)
     for spec in policies:
         parse_policy(spec)  # a typo fails before any model loads

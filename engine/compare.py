@@ -21,7 +21,10 @@ from engine.slots import decode_slot
 MIN_POLICIES, MAX_POLICIES = 2, 4
 MAX_PROMPTS = 16  # one after another on 2 CPU cores: more is a sweep (the Profile page)
 SUMMARY_COLUMNS = ["policy", "prompts", "tokens", "tokens_per_s", "ttft_ms", "acceptance_rate",
-                   "mean_accepted", "tokens_per_step"]
+                   "mean_accepted", "tokens_per_step", "proposers"]
+# The proposers every pair has (an EAGLE head is the pair's own: `proposers_of`), offered by the
+# policy selectors before a pair is loaded.
+BASE_PROPOSERS = ("draft", "ngram")
 
 
 @dataclass
@@ -62,6 +65,25 @@ def check_policies(policies: Sequence[str]) -> list[str]:
         if parse_policy(spec)[0] not in NEEDS_CONTEXT:
             make_policy(spec)
     return specs
+
+
+def proposers_of(pair) -> tuple[str, ...]:
+    """The proposers a loaded pair offers (engine.oracles.available), for the selectors."""
+    from engine.oracles import available
+
+    return tuple(available(pair))
+
+
+def policy_options(examples: Sequence[str], proposers: Sequence[str] | None = None) -> list[str]:
+    """The selectors' policies: `examples`, then the `@proposer` forms for `proposers` (the
+    pair's, BASE_PROPOSERS before one is loaded): a fixed γ with each proposer other than the
+    draft model (which `fixed:4` already is), and `rakv` restricted to each one, beside plain
+    `rakv`, which chooses among them all."""
+    names = tuple(proposers or BASE_PROPOSERS)
+    forms = [f"fixed:4@{p}" for p in names if p != "draft"]
+    if len(names) > 1:
+        forms += [f"rakv@{p}" for p in names]
+    return list(dict.fromkeys([*examples, *forms]))
 
 
 def compare_label(now: dt.datetime | None = None) -> str:
@@ -135,8 +157,31 @@ def summary_rows(results: Sequence[Result]) -> list[dict[str, Any]]:
             acceptance_rate=accepted / n_drafted if n_drafted else None,
             mean_accepted=accepted / len(drafted) if drafted else 0.0,
             tokens_per_step=sum(s["emitted"] for s in decode) / len(decode) if decode else 0.0,
+            proposers=mix_label(proposer_mix(decode)),
         ))
     return rows
+
+
+def _drafter(step: dict[str, Any]) -> str:
+    """Who drafted a stored step ("" for a plain one); steps stored before proposers had names
+    were the draft model's."""
+    return (step.get("proposer") or "draft") if step["k_drafted"] > 0 else ""
+
+
+def proposer_mix(steps: Sequence[dict[str, Any]]) -> dict[str, float]:
+    """Share of the drafting steps each proposer drafted, largest first (ties in the order
+    they first drafted); empty when nothing was drafted."""
+    counts: dict[str, int] = {}
+    for s in steps:
+        if name := _drafter(s):
+            counts[name] = counts.get(name, 0) + 1
+    total = sum(counts.values())
+    return {p: n / total for p, n in sorted(counts.items(), key=lambda kv: -kv[1])}
+
+
+def mix_label(mix: dict[str, float]) -> str:
+    """`proposer_mix` in one cell: "draft 75% · ngram 25%", "—" when nothing was drafted."""
+    return " · ".join(f"{p} {share:.0%}" for p, share in mix.items()) or "—"
 
 
 def gamma_series(results: Sequence[Result], prompt_index: int = 0) -> dict[str, tuple[list[int], list[int]]]:
@@ -148,6 +193,12 @@ def gamma_series(results: Sequence[Result], prompt_index: int = 0) -> dict[str, 
             steps = [s for s in r.steps if s["step"] > 0]
             out[r.policy] = ([s["step"] for s in steps], [s["k_chosen"] for s in steps])
     return out
+
+
+def proposer_series(results: Sequence[Result], prompt_index: int = 0) -> dict[str, list[str]]:
+    """Per policy, for one prompt: who drafted each decode step of `gamma_series` ("" plain)."""
+    return {r.policy: [_drafter(s) for s in r.steps if s["step"] > 0]
+            for r in results if r.prompt_index == prompt_index}
 
 
 def first_difference(token_lists: Sequence[Sequence[int]]) -> dict[str, Any]:

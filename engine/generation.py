@@ -15,7 +15,8 @@ from engine.kv.calibration import CodecKit
 from engine.kv.offload import Offloaded, SlowTier
 from engine.kv.tiers import check_tier
 from engine.models import ModelPair
-from engine.oracles.model import DraftModelProposer, TargetVerifier
+from engine.oracles import build, check_proposers
+from engine.oracles.model import TargetVerifier
 from engine.policies import Policy
 from engine.prefix_cache import PrefixCache
 from engine.records import RunSummary, StepRecord
@@ -74,6 +75,7 @@ class Generation:
     records: list[StepRecord] = field(init=False, default_factory=list)
     summary: RunSummary | None = field(init=False, default=None)
     kv_bytes_per_token: int | None = field(init=False, default=None)  # what the target's cache held, per token
+    proposers: tuple[str, ...] = field(init=False, default=())  # the run's proposers (the policy's, or all the pair has)
     _verifier: TargetVerifier | None = field(init=False, default=None, repr=False)
 
     def __post_init__(self) -> None:
@@ -83,6 +85,8 @@ class Generation:
         if len(self.prompt_ids) >= self.pair.max_context:
             raise ValueError(f"the prompt is {len(self.prompt_ids)} tokens, over the target's context of "
                              f"{self.pair.max_context}")
+        # Checked here, before any model runs: a proposer the pair cannot run is a ValueError.
+        self.proposers = check_proposers(self.pair, getattr(self.policy, "proposers", None))
         self.seed = self.cfg.seed
         if self.seed is None and self.cfg.temperature > 0:
             self.seed = random.randrange(2**31)
@@ -94,13 +98,14 @@ class Generation:
         prefix = self.prefix if cfg.reuse else None
         verifier = TargetVerifier(pair, self.prompt_ids, sampler, prefix, cfg.kv_tier)  # the draft's cache stays native
         self._verifier = verifier
-        proposer = DraftModelProposer(pair, self.prompt_ids, sampler, lambda: verifier.hit)
+        proposers = build(pair, self.prompt_ids, sampler, verifier, self.proposers,
+                          getattr(self.policy, "proposer_options", None))
         budget = min(cfg.max_new_tokens, pair.max_context - n_prompt)
         clock = WallClock(pair.device)
         t_start = clock()
         with torch.inference_mode():
             try:
-                for rec in decode(proposer, verifier, self.policy, Setting(n_prompt, budget, pair.target_tier, cfg.kv_tier), clock):
+                for rec in decode(proposers, verifier, self.policy, Setting(n_prompt, budget, pair.target_tier, cfg.kv_tier), clock):
                     self.records.append(rec)
                     self.token_ids.extend(rec.token_ids)
                     yield rec
@@ -112,7 +117,8 @@ class Generation:
             verifier.ensure_cache()  # paused after its last token: the cache is still away
             self.kv_bytes_per_token = held_bytes_per_token(verifier.cache)
             if prefix is not None:  # after the clock: storing is for the next request
-                verifier.remember(proposer.cache)
+                draft = proposers.get("draft")
+                verifier.remember(draft.cache if draft is not None else None)
         stop = "eos" if verifier.ended else "max_new_tokens" if budget == cfg.max_new_tokens else "context"
         self.summary = summarize(self.records, wall_ms, stop, verifier.hit.kind)
 
@@ -146,5 +152,6 @@ def run_row(gen: Generation, prompt: str, policy_spec: str, chat: bool, task: st
         tokens_per_step=s.tokens_per_step, mean_accepted=s.mean_accepted,
         acceptance_rate=s.acceptance_rate, stop_reason=s.stop_reason, error=None,
         reused_tokens=s.reused_tokens, prefix_hit=s.prefix_hit,
-        config=dict(asdict(cfg), seed=gen.seed, draft_tier=pair.draft_tier, n_prompt_tokens=len(gen.prompt_ids)),
+        config=dict(asdict(cfg), seed=gen.seed, draft_tier=pair.draft_tier, n_prompt_tokens=len(gen.prompt_ids),
+                    proposers=list(gen.proposers)),
     )

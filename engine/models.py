@@ -13,6 +13,7 @@ from typing import Callable
 import torch
 
 from engine import draft as draftlib
+from engine import eagle as eaglelib
 from engine import invariance
 from engine.common import one_line
 from engine.kv.tiers import KV_TIERS  # noqa: F401  (the KV tiers: native, fp8, int8; re-exported)
@@ -42,6 +43,9 @@ class ModelPair:
     exact_verify: bool = False  # verify forwards run batch-invariant (engine/invariance.py)
     rowwise_linears: int = 0  # target linears found row-variant and run row by row in verify
     draft_row_invariant: bool = False  # the draft reads several tokens at once (invariance.make_row_invariant)
+    eagle: object | None = None  # the target's feature-level draft head, when one is loaded (proposer "eagle")
+    feature_tap: object | None = None  # keeps the target's final-norm states for it (engine/eagle.py)
+    eagle_name: str = ""
 
     @property
     def target_row_invariant(self) -> bool:
@@ -226,6 +230,7 @@ def load_pair(
     trust_remote_code: bool = False,
     progress: Callable[[str], None] = lambda msg: None,
     exact_verify: bool | None = None,
+    eagle: str | None = None,
 ) -> ModelPair:
     """Target and draft on one device (`None`/"embedded": the embedded default), each made ready
     for its duty: the target's verify batch-invariant where its tier needs it, the draft's reads
@@ -254,10 +259,28 @@ def load_pair(
         invariance.make_verify_exact(d_model)
     vocab = check_vocab(tokenizer, d_tok, t_model.config.get_text_config().vocab_size,
                         d_model.config.get_text_config().vocab_size, draft_name)
+    head, head_name = _eagle_head(target, eagle, t_model, dev, progress)
     return ModelPair(
         target=t_model, draft=d_model, tokenizer=tokenizer, device=dev, target_name=target_name,
         draft_name=draft_name, target_tier=target_tier, draft_tier=draft_tier, vocab_size=vocab,
         eos_ids=eos_ids_of(tokenizer, t_model),
         max_context=int(getattr(t_model.config.get_text_config(), "max_position_embeddings", 1 << 30)),
         exact_verify=exact, rowwise_linears=rowwise, draft_row_invariant=draft_rowinv,
+        eagle=head, feature_tap=eaglelib.FeatureTap(t_model) if head is not None else None, eagle_name=head_name,
     )
+
+
+def _eagle_head(target: str | None, eagle: str | None, t_model, dev: torch.device, progress) -> tuple[object | None, str]:
+    """The EAGLE head: `eagle` a head directory, "off" none, None the shipped one of the embedded
+    target (when it is there). It runs at fp32 on CPUs without fast bf16 matmuls, bf16 on CUDA."""
+    if eagle == "off" or (eagle in (None, "") and target not in (None, "", EMBEDDED)):
+        return None, ""
+    path = eagle or str(eaglelib.SHIPPED)
+    if not eaglelib.is_head_dir(path):
+        if eagle:
+            raise ValueError(f"{eagle!r} is not an EAGLE head directory (no {eaglelib.MARKER})")
+        return None, ""
+    progress(f"loading EAGLE head {Path(path).name}")
+    embedding = draftlib.target_embedding(_source_path(target), t_model)
+    dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
+    return eaglelib.load_head(path, embedding, dev, dtype), eaglelib.label(path)

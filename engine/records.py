@@ -7,6 +7,13 @@ from dataclasses import dataclass, field
 
 K_MAX = 8  # longest draft any policy may ask for: the acceptance traces record L(p) up to 8
 ALPHA_DECAY = 0.8  # EWMA weight of the past in the acceptance estimate: ~5 steps of memory
+# The proposers a run may draft with, in their canonical order (a run's, a trace's), and the
+# options each takes in a policy spec (`fixed:3@ngram:max=3,min=2`); engine/oracles/__init__.py
+# builds them. Here, not there, so that parsing a policy loads no model code.
+PROPOSER_OPTIONS: dict[str, dict[str, type]] = {"draft": {}, "eagle": {}, "ngram": {"max": int, "min": int}}
+PROPOSER_NAMES = tuple(PROPOSER_OPTIONS)
+# What a proposer's `lookahead()` says when a model drafts: it can propose any number of tokens.
+UNBOUNDED = 1 << 30
 
 
 @dataclass(frozen=True)
@@ -15,6 +22,7 @@ class Action:
 
     k: int  # draft length γ; 0 = plain decoding (one target forward, one token)
     reuse: int = 0  # prompt positions taken from the cross-request prefix cache (step 0)
+    proposer: str = "draft"  # who drafts the k tokens (one of the run's proposers; unused at k = 0)
 
     def __post_init__(self) -> None:
         assert self.k >= 0 and self.reuse >= 0, self
@@ -44,6 +52,7 @@ class StepRecord:
     target_tier: str
     kv_tier: str
     reuse: int = 0
+    proposer: str = ""  # the proposer that drafted the step; "" when nothing was drafted (k_drafted == 0)
 
 
 @dataclass
@@ -66,6 +75,15 @@ class DecodeState:
     # cache): the whole prompt before its first draft (its prefill is lazy), then what was
     # emitted since it last drafted. A catch-up that drafting must earn back.
     draft_unread: tuple[int, int] = (0, 0)
+    # The run's proposers, in order (the policy's Action.proposer names one of them), and per
+    # proposer: how many tokens it can propose now without running a model (0: none, e.g. an
+    # n-gram proposer without a match; UNBOUNDED for a model), what it would read before drafting
+    # (as draft_unread, which is the draft's), and its own acceptance EWMA (alpha, trials) over
+    # the steps it drafted. Context only: nothing here says whether the next tokens are right.
+    proposers: tuple[str, ...] = ("draft",)
+    lookahead: dict[str, int] = field(default_factory=dict)
+    unread: dict[str, tuple[int, int]] = field(default_factory=dict)
+    alphas: dict[str, tuple[float | None, float]] = field(default_factory=dict)
 
     @property
     def last(self) -> StepRecord | None:

@@ -27,7 +27,7 @@ from engine.policies.fixed import FixedPolicy
 from engine.predictor import (FEATURES, FEATURES_KV, PAPER_CANDIDATES, Predictor, compression_code, kv_code,
                               tokens_from_rate)
 from engine.records import DecodeState
-from engine.whatif import replay
+from engine.whatif import proposals, replay
 
 TRACE_GAMMAS = (1, 2, 4, 6, 8)
 
@@ -65,7 +65,8 @@ def from_live_steps(steps: pd.DataFrame, runs: pd.DataFrame) -> Examples:
     for run_id, st in steps[steps["run_id"].isin(tasks)].groupby("run_id", sort=False):
         prev = None
         for r in st.sort_values("step").itertuples():
-            if r.k_drafted > 0:
+            # The draft model's steps only: the predictor reads its signals (an n-gram's are constant).
+            if r.k_drafted > 0 and getattr(r, "proposer", "draft") in ("draft", ""):
                 if prev is not None:
                     kv = getattr(r, "kv_tier", None)
                     rows.append([*prev, compression_code(r.target_tier), r.k_drafted, kv_code(kv)])
@@ -84,7 +85,8 @@ def from_traces(traces: pd.DataFrame, positions: pd.DataFrame, gammas: tuple[int
     rows, ys, groups, strata = [], [], [], []
     by_trace = {tid: df.to_dict("records") for tid, df in positions.groupby("trace_id", sort=False)}
     for t in traces.to_dict("records"):
-        trace_rows = by_trace.get(t["trace_id"], [])
+        # The predictor reads the draft model's signals: its proposals, not another proposer's.
+        trace_rows = list(proposals(by_trace.get(t["trace_id"], [])).get("draft", {}).values())
         at = {int(r["position"]): int(r["accept_len"]) for r in trace_rows}
         comp, kv = compression_code(t["target_tier"]), kv_code(t.get("kv_tier"))
         stratum = f"{_setting(t['target_tier'], t.get('kv_tier'))}/{t['task'] or '-'}"

@@ -14,7 +14,7 @@ import numpy as np
 
 from engine.common import csv_list, one_line
 from engine.costs import REPS, CostTable, calibrate
-from engine.policies import NEEDS_CONTEXT, PolicyContext, make_policy, parse_policy
+from engine.policies import NEEDS_CONTEXT, PolicyContext, make_policy, parse_policy, split_spec
 from engine.predictor import Predictor
 from engine.whatif import Replay, replay, summarize, tier_label
 from store import Store
@@ -71,9 +71,12 @@ def stored_costs(store: Store, key: tuple) -> CostTable | None:
 
 
 def cost_table(store: Store, pair, say: Callable[[str], None] = lambda m: None, kv_tier: str = "native") -> CostTable:
-    """The newest stored cost table for this pair, tier and KV tier; measured (and stored) when absent."""
+    """The newest stored cost table for this pair, tier and KV tier; measured (and stored) when
+    absent, or when it lacks a proposer the pair has (a table from before that proposer)."""
+    from engine.oracles import available
+
     table = stored_costs(store, cost_key(pair, kv_tier))
-    if table is None:
+    if table is None or not set(available(pair)) <= set(table.proposers):
         from engine.profiling import measure_costs
 
         say(f"measuring costs for {pair.target_name} at {tier_label(pair.target_tier, kv_tier)} (once; stored)…")
@@ -128,9 +131,15 @@ def policy_context(store: Store, pair, say: Callable[[str], None] = lambda m: No
     """What `speckv`/`rakv` need on this pair at this KV tier: its cost table, the store's
     controllers, and the pair's per-token acceptance on this tier where stored runs measured it
     (rakv's prior)."""
-    hits, n = store.first_token_acceptance(*cost_key(pair)[:4], kv_tier=kv_tier)
+    from engine.oracles import available
+
+    priors = {}
+    for name in available(pair):
+        hits, n = store.first_token_acceptance(*cost_key(pair)[:4], kv_tier=kv_tier, proposer=name)
+        if n >= ALPHA_MIN_STEPS:
+            priors[name] = hits / n
     return PolicyContext(costs=cost_table(store, pair, say, kv_tier), controller=controller_loader(store),
-                         alpha0=hits / n if n >= ALPHA_MIN_STEPS else None)
+                         alpha0=priors.get("draft"), priors=priors)
 
 
 def context_for(db: str, pair, spec: str, say: Callable[[str], None] = lambda m: None,
@@ -174,6 +183,7 @@ def replay_all(store: Store, policies: list, tiers: list[str] | None = None, tra
         traces = traces[traces["trace_id"].isin(trace_ids)]
     if not len(traces):
         raise ValueError(f"no traces in {store.path}: run `python -m engine trace` first")
+    traces = newest_traces(traces)
     positions = store.trace_positions()
     by_trace = {tid: df.to_dict("records") for tid, df in positions.groupby("trace_id", sort=False)}
     out, contexts = [], {}
@@ -187,6 +197,17 @@ def replay_all(store: Store, policies: list, tiers: list[str] | None = None, tra
             policy = make_policy(spec, ctx) if isinstance(spec, str) else spec(ctx)
             out.append(replay(policy, t, by_trace.get(t["trace_id"], []), ctx.costs))
     return out
+
+
+# What makes two traces the same trace of a prompt: a prompt traced again (for a proposer the
+# first trace lacked) replaces the first, in replay as in training.
+TRACE_IDENTITY = ("device", "target", "draft", "target_tier", "draft_tier", "kv_tier", "prompt", "chat", "max_new_tokens")
+
+
+def newest_traces(traces):
+    """The newest trace of each (pair, tiers, prompt, length): traces() are oldest first."""
+    key = traces[list(TRACE_IDENTITY)].astype(str).agg("\x1f".join, axis=1)
+    return traces[~key.duplicated(keep="last")]
 
 
 # -- retrain -------------------------------------------------------------------------------------
@@ -222,6 +243,7 @@ def _examples(st: Store, source: str, sweep: str | None):
 
     if source == "traces":
         traces = st.traces()
+        traces = newest_traces(traces) if len(traces) else traces
         if not len(traces):
             raise ValueError(f"no traces in {st.path}: run `python -m engine trace` first")
         ids_of = lambda prompts: set(traces.loc[traces["prompt"].isin(prompts), "trace_id"])  # noqa: E731
@@ -259,13 +281,20 @@ def _replay_gain(st: Store, mlp: Predictor, trace_ids: set) -> dict:
 def trace_prompts(st: Store, pair, prompts: list[tuple[str, str]], max_new_tokens: int,
                   temperature: float | None = None, on_start: Callable[[int], None] = lambda n: None,
                   on_trace: Callable[[], None] = lambda: None, kv_tier: str = "native") -> int:
-    """Traces the prompts not yet traced for this pair, tier, KV tier and length (a rerun
-    resumes); each is stored as it is made. Returns how many were made."""
+    """Traces the prompts not yet traced for this pair, tier, KV tier and length with every
+    proposer the pair has (a rerun resumes; a prompt traced before a proposer existed is traced
+    again, and its newest trace is the one replayed); each is stored as it is made. Returns how
+    many were made."""
+    from engine.oracles import available
     from engine.profiling import trace
 
     have = st.traces(target=pair.target_name, draft=pair.draft_name, target_tier=pair.target_tier,
                      kv_tier=kv_tier, max_new_tokens=max_new_tokens)
-    done = set(have["prompt"]) if len(have) else set()
+    held = st.trace_proposers() if len(have) else {}
+    need = set(available(pair))
+    # A one-token output has no positions to hold proposals: done as it is.
+    done = {r["prompt"] for r in have.to_dict("records")
+            if need <= set(held.get(r["trace_id"], ())) or len(r["token_ids"]) <= 1}
     todo = [(task, prompt) for task, prompt in prompts if prompt not in done]
     on_start(len(todo))
     for task, prompt in todo:
@@ -311,7 +340,8 @@ def sweep_table(runs) -> dict:
     """Per tier (`fp32`; `fp32/fp8` for a KV tier off native): tokens/s of each policy (all
     tokens over all wall time of its runs; a prompt run several times counts once, at its median
     wall time, so a passing slowdown of the machine does not land on whichever policy ran then),
-    the best fixed γ, and each adaptive policy against max(ar, best fixed)."""
+    the best fixed γ (any proposer: `fixed:4@ngram` counts as γ 4), and each adaptive policy against
+    max(ar, best fixed)."""
     out = {}
     kv = runs["kv_tier"].fillna("native").tolist() if "kv_tier" in runs else ["native"] * len(runs)
     labels = [tier_label(t, k) for t, k in zip(runs["target_tier"], kv)]
@@ -322,7 +352,8 @@ def sweep_table(runs) -> dict:
         fixed = {p: v for p, v in tps.items() if p.startswith("fixed:")}
         best_fixed = max(fixed, key=fixed.get) if fixed else None
         peer = max([tps.get("ar", 0.0)] + ([fixed[best_fixed]] if best_fixed else []))
-        out[tier] = dict(tokens_per_s=tps, best_fixed=best_fixed, best_gamma=int(best_fixed.split(":")[1]) if best_fixed else None,
+        gamma = int(split_spec(best_fixed)[0].split(":")[1]) if best_fixed else None  # `fixed:4@ngram`: 4
+        out[tier] = dict(tokens_per_s=tps, best_fixed=best_fixed, best_gamma=gamma,
                          peer=peer, vs_peer={p: v / peer for p, v in tps.items() if not p.startswith("fixed:") and p != "ar"},
                          prompts=int(df["prompt"].nunique()))
     return out

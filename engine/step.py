@@ -13,14 +13,23 @@ from engine.records import AcceptanceEWMA, Action, DecodeState, DraftToken, RunS
 
 
 class Proposer(Protocol):
+    name: str  # the run's key for it: "draft", "eagle", "ngram" (engine/oracles/__init__.py)
     unread: tuple[int, int]  # context tokens its next draft reads first: (into an empty cache, after its cache)
+
+    def lookahead(self) -> int:
+        """Tokens it can propose now without running a model (0: none; UNBOUNDED for a model).
+        A function of the context alone, like its proposal (see docs/architecture.md, "Traces
+        and replay")."""
+        ...
 
     def propose(self, k: int, keep_drafting: Callable[[int, DraftToken], bool]) -> list[DraftToken]:
         """Up to k tokens after the context; asks keep_drafting(j, token) after each but the last."""
         ...
 
     def update(self, accepted: int, emitted: list[int]) -> None:
-        """The step's outcome: the first `accepted` drafted tokens stand, then `emitted` follows."""
+        """The step's outcome: `emitted` extends the context (the first `accepted` of it are the
+        drafted tokens that stood). Every proposer of a run hears every step; one that did not
+        draft it takes `emitted` as context."""
         ...
 
 
@@ -58,35 +67,49 @@ class ModelledClock:
         return self.now
 
 
-def decode(proposer: Proposer, verifier: Verifier, policy: Policy, run: Setting,
+def decode(proposers: dict[str, Proposer] | Proposer, verifier: Verifier, policy: Policy, run: Setting,
            clock: Callable[[], float]) -> Iterator[StepRecord]:
-    """Streams the run's StepRecords: step 0 is the prefill, then one per decode step."""
+    """Streams the run's StepRecords: step 0 is the prefill, then one per decode step.
+    `proposers`: name → Proposer (a bare Proposer is the draft); the policy's Action.proposer
+    says which one drafts a step, and every one hears each step's outcome, in dict order."""
+    if not isinstance(proposers, dict):
+        proposers = {"draft": proposers}
     policy.reset()
     acc, history = AcceptanceEWMA(), []
+    by: dict[str, AcceptanceEWMA] = {}  # per proposer, over the steps it drafted
     t0 = clock()
     first = verifier.prefill(lambda offered: policy.take_reuse(offered, run.n_prompt))
-    proposer.update(0, [first])
-    history.append(_record(0, 0, Action(0, verifier.reused), [], [first], 0, (0.0, clock() - t0, 0.0), run))
+    for p in proposers.values():
+        p.update(0, [first])
+    history.append(_record(0, 0, Action(0, verifier.reused), "", [], [first], 0, (0.0, clock() - t0, 0.0), run))
     yield history[-1]
     position = 1
     while not verifier.ended and position < run.budget:
         remaining = run.budget - position
+        unread = {name: p.unread for name, p in proposers.items()}
         state = DecodeState(step=len(history), position=position, context_len=run.n_prompt + position,
                             remaining=remaining, target_tier=run.target_tier, kv_tier=run.kv_tier,
                             history=history, alpha_ewma=acc.alpha, alpha_trials=acc.trials,
-                            draft_unread=proposer.unread)
+                            draft_unread=unread.get("draft", (0, 0)), proposers=tuple(proposers),
+                            lookahead={name: p.lookahead() for name, p in proposers.items()}, unread=unread,
+                            alphas={name: (a.alpha, a.trials) for name, a in by.items()})
         t0 = clock()
         action = policy.choose(state)
         k = min(action.k, remaining - 1)  # never draft past the budget: the bonus token needs a slot
+        assert action.k == 0 or action.proposer in proposers, (action.proposer, tuple(proposers))
         t1 = clock()
-        drafted = proposer.propose(k, lambda j, token: policy.keep_drafting(state, j, token))
+        drafted = proposers[action.proposer].propose(k, lambda j, token: policy.keep_drafting(state, j, token)) if k else []
         t2 = clock()
         n, emitted = verifier.verify(drafted)
         t3 = clock()
         assert 0 < len(emitted) <= remaining and n <= len(drafted), (n, len(drafted), len(emitted), remaining)
-        proposer.update(n, emitted)
+        for p in proposers.values():
+            p.update(n, emitted)
+        name = action.proposer if drafted else ""
         acc.update(n, len(drafted))
-        rec = _record(len(history), position, action, drafted, emitted, min(n, len(emitted)),
+        if name:
+            by.setdefault(name, AcceptanceEWMA()).update(n, len(drafted))
+        rec = _record(len(history), position, action, name, drafted, emitted, min(n, len(emitted)),
                       (t2 - t1, t3 - t2, t1 - t0), run)
         policy.observe(rec)
         history.append(rec)
@@ -105,7 +128,7 @@ def draft_tokens(k: int, keep_drafting: Callable[[int, DraftToken], bool],
     return drafted
 
 
-def _record(step: int, position: int, action: Action, drafted: list[DraftToken], emitted: list[int],
+def _record(step: int, position: int, action: Action, proposer: str, drafted: list[DraftToken], emitted: list[int],
             accepted: int, ms: tuple[float, float, float], run: Setting) -> StepRecord:
     ents, confs = [d.entropy for d in drafted], [d.confidence for d in drafted]
     return StepRecord(
@@ -113,6 +136,7 @@ def _record(step: int, position: int, action: Action, drafted: list[DraftToken],
         emitted=len(emitted), token_ids=list(emitted), **signal_summary(ents, confs), entropies=ents,
         confidences=confs, draft_ms=ms[0], verify_ms=ms[1], decide_ms=ms[2],
         context_len=run.n_prompt + position, target_tier=run.target_tier, kv_tier=run.kv_tier, reuse=action.reuse,
+        proposer=proposer,
     )
 
 

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from engine.costs import CostTable
 from engine.oracles.trace import TraceProposer, TraceVerifier
 from engine.policies import Policy
-from engine.records import StepRecord
+from engine.records import PROPOSER_NAMES, StepRecord
 from engine.step import ModelledClock, Setting, decode
 
 
@@ -61,17 +61,46 @@ class _SelfScored:
         return getattr(self.policy, name)
 
 
+def proposals(positions: list[dict]) -> dict[str, dict[int, dict]]:
+    """A trace's `trace_positions` rows by proposer, then position (rows without a proposer,
+    made before proposers had names, are the draft model's)."""
+    out: dict[str, dict[int, dict]] = {}
+    for r in positions:
+        name = r.get("proposer")
+        out.setdefault(name if isinstance(name, str) and name else "draft", {})[int(r["position"])] = r
+    return out
+
+
+def replay_proposers(policy: Policy, traced: dict[str, dict[int, dict]], prompt: str = "") -> tuple[str, ...]:
+    """The proposers a replay of `policy` runs, in the canonical order (as a live run builds
+    them): those it names, else every traced one; ValueError in one line for one not traced."""
+    wanted = getattr(policy, "proposers", None)
+    if not traced:  # a one-token output has no positions: nothing is ever drafted
+        return tuple(wanted or ("draft",))
+    if wanted is None:
+        return tuple(n for n in PROPOSER_NAMES if n in traced)
+    missing = [n for n in wanted if n not in traced]
+    if missing:
+        raise ValueError(f"the trace of {prompt[:40]!r} holds no proposals of {', '.join(missing)} (it has "
+                         f"{', '.join(traced)}): trace the prompts again (`python -m engine trace`)")
+    return tuple(n for n in PROPOSER_NAMES if n in wanted)
+
+
 def replay(policy: Policy, trace: dict, positions: list[dict], costs: CostTable | None = None) -> Replay:
     """`trace`: a `traces` row (token_ids, prompt_ids, max_new_tokens, target_tier, kv_tier,
-    prompt, task); `positions`: its `trace_positions` rows, for positions 1..N-1 in order. The
+    prompt, task); `positions`: its `trace_positions` rows, for positions 1..N-1 of each traced
+    proposer. The policy chooses among the traced proposers (or those its spec names). The
     steps are recorded at the trace's tiers (a row without a KV tier was made at native)."""
     out, n_prompt = list(trace["token_ids"]), len(trace["prompt_ids"])
-    at = {int(r["position"]): r for r in positions}
-    assert all(p in at for p in range(1, len(out))), "trace positions are incomplete"
+    traced = proposals(positions)
+    names = replay_proposers(policy, traced, trace.get("prompt", ""))
+    for name in names:
+        assert all(p in traced.get(name, {}) for p in range(1, len(out))), f"trace positions of {name} are incomplete"
     clock, scored = ModelledClock(), _SelfScored(policy)
     kv_tier = trace.get("kv_tier") if isinstance(trace.get("kv_tier"), str) else "native"
     run = Setting(n_prompt, int(trace["max_new_tokens"]), trace["target_tier"], kv_tier)
-    steps = list(decode(TraceProposer(at, n_prompt, costs, clock), TraceVerifier(out, at, n_prompt, costs, clock), scored, run, clock))
+    proposers = {name: TraceProposer(traced.get(name, {}), n_prompt, costs, clock, name) for name in names}
+    steps = list(decode(proposers, TraceVerifier(out, n_prompt, costs, clock), scored, run, clock))
     guessed = [(g, r.emitted) for g, r in zip(scored.guesses, steps[1:]) if g is not None]
     return Replay(getattr(policy, "name", "?"), trace.get("prompt", ""), trace.get("task"), run.target_tier, run.kv_tier,
                   steps, len(out), clock.now if costs else None,

@@ -17,9 +17,10 @@ from .schema import PY_DEFAULTS, arrow_schema, columns
 
 # Tables whose id column gets a fresh uuid when the caller gives none.
 _IDS = {"runs": "run_id", "traces": "trace_id", "kv_measurements": "measurement_id"}
-# Child tables: (column naming the parent, key that must be present and unique per parent).
-_CHILDREN = {"steps": ("run_id", "step"), "trace_positions": ("trace_id", "position"),
-             "costs": ("cost_id", "ctx_bucket")}
+# Child tables: (column naming the parent, the columns unique per parent; the last must be given,
+# the others have defaults: a trace position and a cost bucket are the draft model's unless named).
+_CHILDREN = {"steps": ("run_id", ("step",)), "trace_positions": ("trace_id", ("proposer", "position")),
+             "costs": ("cost_id", ("proposer", "ctx_bucket"))}
 # Per-step draft statistics are undefined when nothing was drafted; engines tend to
 # produce NaN (mean of an empty array) there, which would poison averages in SQL.
 _DRAFT_STATS = ("mean_entropy", "max_entropy", "mean_confidence", "min_confidence")
@@ -88,16 +89,18 @@ def _row(table: str, label: str, where: str, row: Any, parent: str | None,
         if not isinstance(out[_IDS[table]], str):
             raise StoreError(f"{label}.{_IDS[table]} must be a string, got {_short(out[_IDS[table]])}")
     if table in _CHILDREN:
-        col, key = _CHILDREN[table]
+        col, keys = _CHILDREN[table]
         if out.get(col) not in (None, parent):
             raise StoreError(f"{label}.{col} is {out[col]!r} but the parent is {parent!r}")
-        if out.get(key) is None:
-            raise StoreError(f"{label} has no {key!r}")
+        if out.get(keys[-1]) is None:
+            raise StoreError(f"{label} has no {keys[-1]!r}")
         out[col] = parent
     if out.get("k_drafted") == 0 and table == "steps":
         for name in _DRAFT_STATS:
             if isinstance(out.get(name), float) and math.isnan(out[name]):
                 out[name] = None
+    if table == "steps" and out.get("proposer") is None:  # rows from before proposers (imports): the draft's
+        out["proposer"] = "draft" if (out.get("k_drafted") or 0) > 0 else ""
     for name, dtype in cols:
         if name == "created_at" and out.get(name) is None:
             # Stamped here, not by the DB default, so a run staged now keeps its time.
@@ -118,11 +121,13 @@ def to_table(table: str, where: str, rows: Sequence[Any], parent: str | None = N
     now = dt.datetime.now()
     out = [_row(table, f"{where}[{i}]", where, row, parent, now) for i, row in enumerate(rows)]
     if table in _CHILDREN:
-        key, seen = _CHILDREN[table][1], set()
+        keys, seen = _CHILDREN[table][1], set()
         for i, row in enumerate(out):
-            if row[key] in seen:
-                raise StoreError(f"{where}[{i}].{key} {row[key]!r} is repeated under {parent!r}")
-            seen.add(row[key])
+            key = tuple(row[k] for k in keys)
+            if key in seen:
+                also = "".join(f" ({k} {row[k]!r})" for k in keys[:-1])
+                raise StoreError(f"{where}[{i}].{keys[-1]} {row[keys[-1]]!r}{also} is repeated under {parent!r}")
+            seen.add(key)
     schema = arrow_schema(table)
     arrays: list[pa.Array] = []
     for (name, dtype), field in zip(columns(table), schema):

@@ -187,12 +187,71 @@ MIGRATIONS: list[str] = [
         UNIQUE (name, version)
     );
     """,
+    # 9: proposers (engine/oracles/__init__.py: the draft model, an EAGLE head, n-gram lookup).
+    # A step names the proposer that drafted it ('' when nothing was drafted; the drafting steps
+    # stored before were all the draft model's). A trace holds every proposer's proposal at each
+    # position, and how far it could see there (lookahead; NULL: a model, unbounded), and a cost
+    # table a row per proposer and bucket: the proposer is part of both keys, so the two tables
+    # are made anew (a primary key cannot be altered), their rows kept as the draft's.
+    """
+    ALTER TABLE steps ADD COLUMN proposer VARCHAR DEFAULT '';
+    UPDATE steps SET proposer = 'draft' WHERE k_drafted > 0;
+    CREATE TABLE trace_positions_9 (
+        trace_id VARCHAR NOT NULL,
+        position INTEGER NOT NULL,
+        accept_len INTEGER,
+        draft_ids INTEGER[],
+        entropies DOUBLE[],
+        confidences DOUBLE[],
+        accept_prob DOUBLE,
+        context_len INTEGER,
+        proposer VARCHAR NOT NULL DEFAULT 'draft',
+        lookahead INTEGER,
+        PRIMARY KEY (trace_id, proposer, position)
+    );
+    INSERT INTO trace_positions_9
+        SELECT trace_id, position, accept_len, draft_ids, entropies, confidences, accept_prob, context_len,
+               'draft', NULL
+        FROM trace_positions;
+    DROP TABLE trace_positions;
+    ALTER TABLE trace_positions_9 RENAME TO trace_positions;
+    CREATE TABLE costs_9 (
+        cost_id VARCHAR NOT NULL,
+        created_at TIMESTAMP DEFAULT CAST(now() AS TIMESTAMP),
+        device VARCHAR,
+        target VARCHAR,
+        draft VARCHAR,
+        target_tier VARCHAR,
+        draft_tier VARCHAR,
+        ctx_bucket INTEGER NOT NULL,
+        draft_ms DOUBLE,
+        verify_ms DOUBLE[],
+        reps INTEGER,
+        step_factor DOUBLE[],
+        prefill_ms DOUBLE,
+        fill_ms DOUBLE,
+        cold_read_ms DOUBLE,
+        warm_read_ms DOUBLE,
+        kv_tier VARCHAR DEFAULT 'native',
+        proposer VARCHAR NOT NULL DEFAULT 'draft',
+        PRIMARY KEY (cost_id, proposer, ctx_bucket)
+    );
+    INSERT INTO costs_9
+        SELECT cost_id, created_at, device, target, draft, target_tier, draft_tier, ctx_bucket, draft_ms, verify_ms,
+               reps, step_factor, prefill_ms, fill_ms, cold_read_ms, warm_read_ms, kv_tier, 'draft'
+        FROM costs;
+    DROP TABLE costs;
+    ALTER TABLE costs_9 RENAME TO costs;
+    """,
 ]
 
 # Values filled in for a missing key, matching the column DEFAULTs above: inserts go BY
 # NAME with every column present, so a SQL DEFAULT alone would never apply.
+# A step's proposer defaults to the draft model's where it drafted, '' where not (store/rows.py).
 PY_DEFAULTS: dict[str, dict[str, object]] = {"runs": {"source": "speclab", "reused_tokens": 0, "prefix_hit": "off"},
-                                              "traces": {"kv_tier": "native"}, "costs": {"kv_tier": "native"}}
+                                              "traces": {"kv_tier": "native"},
+                                              "costs": {"kv_tier": "native", "proposer": "draft"},
+                                              "trace_positions": {"proposer": "draft"}}
 
 SCHEMA_VERSION: int = len(MIGRATIONS)
 

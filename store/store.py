@@ -306,22 +306,29 @@ class Store:
             params = [v for v in equals.values() if v is not None]
             return _typed(con.execute(sql, params).df(), table)
 
-    def _children(self, table: str, parent: str, id_col: str, order: str,
+    def _children(self, table: str, parent: str, id_col: str, order: tuple[str, ...],
                   parent_id: str | None) -> pd.DataFrame:
         """Rows of one parent, or of all parents ordered like the parents, then by `order`."""
         where = f" WHERE c.{id_col} = ?" if parent_id is not None else ""
         sql = (f"SELECT c.* FROM {table} c LEFT JOIN {parent} p ON p.{id_col} = c.{id_col}{where}"
-               f" ORDER BY p.created_at, c.{id_col}, c.{order}")
+               f" ORDER BY p.created_at, c.{id_col}, {', '.join(f'c.{o}' for o in order)}")
         with self._reader() as con:
             return _typed(con.execute(sql, [] if parent_id is None else [parent_id]).df(), table)
 
     def steps(self, run_id: str | None = None) -> pd.DataFrame:
         """Steps of one run, or of all runs ordered like runs(), then by step."""
-        return self._children("steps", "runs", "run_id", "step", run_id)
+        return self._children("steps", "runs", "run_id", ("step",), run_id)
 
     def trace_positions(self, trace_id: str | None = None) -> pd.DataFrame:
-        """Positions of one trace, or of all traces ordered like traces(), then by position."""
-        return self._children("trace_positions", "traces", "trace_id", "position", trace_id)
+        """Positions of one trace, or of all traces ordered like traces(), then by proposer and
+        position (a row per proposer and position; traces made before proposers hold the draft's)."""
+        return self._children("trace_positions", "traces", "trace_id", ("proposer", "position"), trace_id)
+
+    def trace_proposers(self) -> dict[str, tuple[str, ...]]:
+        """trace_id → the proposers whose proposals it holds (sorted by name)."""
+        sql = "SELECT trace_id, list(DISTINCT proposer ORDER BY proposer) FROM trace_positions GROUP BY trace_id"
+        with self._reader() as con:
+            return {str(t): tuple(names) for t, names in con.execute(sql).fetchall()}
 
     def costs(self, device: str | None = None, target: str | None = None,
               draft: str | None = None, target_tier: str | None = None,
@@ -338,21 +345,26 @@ class Store:
 
     def step_times(self, device: str, target: str, draft: str, target_tier: str,
                    kv_tier: str | None = None) -> pd.DataFrame:
-        """(k_drafted, context_len, ms) of every decode step after the prefill of the finished
-        runs of one pair on one device, tier and KV tier (None: any); ms = draft_ms + verify_ms."""
-        sql = ("SELECT s.k_drafted, s.context_len, s.draft_ms + s.verify_ms AS ms" + _PAIR_LIVE_STEPS +
+        """(k_drafted, context_len, ms, proposer) of every decode step after the prefill of the
+        finished runs of one pair on one device, tier and KV tier (None: any); ms = draft_ms +
+        verify_ms; proposer: who drafted it ('draft' for plain steps, whose price is no proposer's)."""
+        sql = ("SELECT s.k_drafted, s.context_len, s.draft_ms + s.verify_ms AS ms,"
+               " coalesce(nullif(s.proposer, ''), 'draft') AS proposer" + _PAIR_LIVE_STEPS +
                " AND s.step > 0 ORDER BY r.created_at, s.run_id, s.step")
         with self._reader() as con:
             return con.execute(sql, [device, target, draft, target_tier, kv_tier, kv_tier]).df()
 
     def first_token_acceptance(self, device: str, target: str, draft: str, target_tier: str,
-                               kv_tier: str | None = None) -> tuple[int, int]:
+                               kv_tier: str | None = None, proposer: str | None = None) -> tuple[int, int]:
         """(drafting steps whose first drafted token was accepted, drafting steps) over the
-        finished live runs of one pair on one device, tier and KV tier (None: any): the
-        per-token acceptance α of the pair, whatever draft lengths the runs chose."""
-        sql = "SELECT count(*) FILTER (WHERE s.accepted > 0), count(*)" + _PAIR_LIVE_STEPS + " AND s.k_drafted > 0"
+        finished live runs of one pair on one device, tier and KV tier (None: any), of the steps
+        one proposer drafted (None: any): the per-token acceptance α of the pair, whatever draft
+        lengths the runs chose."""
+        sql = ("SELECT count(*) FILTER (WHERE s.accepted > 0), count(*)" + _PAIR_LIVE_STEPS + " AND s.k_drafted > 0"
+               " AND (CAST(? AS VARCHAR) IS NULL OR s.proposer = ?)")
         with self._reader() as con:
-            hits, n = con.execute(sql, [device, target, draft, target_tier, kv_tier, kv_tier]).fetchone()
+            hits, n = con.execute(sql, [device, target, draft, target_tier, kv_tier, kv_tier, proposer,
+                                        proposer]).fetchone()
         return int(hits), int(n)
 
     def controller(self, name: str,

@@ -1,6 +1,9 @@
 """The Streamlit front end, driven headless with AppTest on the tiny test models."""
 from __future__ import annotations
 
+import json
+
+import time
 
 import pytest
 from streamlit.testing.v1 import AppTest
@@ -45,6 +48,13 @@ def test_generate_streams_summarises_and_stores(app_env):
     table = at.dataframe[0].value
     assert list(table["step"]) == list(range(len(table)))
     assert table["emitted"].sum() <= 16
+    # Who drafted each step: fixed:4 drafts with the draft model; the prefill (and a step the
+    # budget leaves no room to draft) with nobody. The γ timeline marks the draft's points.
+    assert table["proposer"].iloc[0] == "" and set(table["proposer"]) <= {"", "draft"}
+    assert (table["proposer"] == "draft").any()
+    marks = {d["name"]: d for d in json.loads(at.get("plotly_chart")[0].proto.spec)["data"] if "γ by" in d["name"]}
+    assert marks["γ by draft"]["showlegend"] and any(y is not None for y in marks["γ by draft"]["y"])
+    assert not marks["γ by ngram"]["showlegend"]  # in the legend once it drafts
 
     with Store(app_env) as store:
         run = store.run(run_id)
@@ -71,14 +81,38 @@ def test_cost_aware_policies_run_live_and_say_what_they_miss(app_env):
     at.button(key="live_generate").click().run(timeout=120)
     assert not at.exception and not _errors(at), _errors(at)
     with Store(app_env) as store:
-        assert list(store.runs()["policy"]) == ["rakv"] and len(store.costs()) == 3
+        costs = store.costs()  # three context buckets, for the draft model and the n-gram lookup
+        assert list(store.runs()["policy"]) == ["rakv"] and len(costs) == 6
+        assert sorted(costs["proposer"]) == ["draft"] * 3 + ["ngram"] * 3
     why = at.dataframe[0].value["why"].tolist()  # every choice says why, in one line
     assert why[0] == "prefill" and all(w and "\n" not in w for w in why)
-    assert any(w.startswith(("α ≈", "probe", "plain")) for w in why[1:]), why
+    # Each names the proposer it drafts with (rakv chooses among all the pair has), or plain.
+    assert all(w.startswith(("draft γ", "ngram γ", "probe draft", "probe ngram", "plain")) for w in why[1:]), why
+    proposers = at.dataframe[0].value["proposer"].tolist()
+    assert all(p in ("", "draft", "ngram") for p in proposers) and all(
+        w.startswith(p) for p, w in zip(proposers[1:], why[1:]) if p), (proposers, why)
     at.text_input(key="live_policy_spec").set_value("speckv")  # no controller trained yet
     at.button(key="live_generate").click().run(timeout=60)
     errors = _errors(at)
     assert len(errors) == 1 and "python -m engine retrain" in errors[0] and "\n" not in errors[0]
+
+
+def test_a_policy_with_a_named_proposer_drafts_with_it(app_env):
+    at = _app()
+    options = at.selectbox(key="live_policy").options
+    assert {"fixed:4@ngram", "rakv@draft", "rakv@ngram"} <= set(options)  # no EAGLE head on the tiny pair
+    assert not any("eagle" in o for o in options)
+    at.text_area(key="live_prompt").set_value("abc abc abc abc abc")  # something to look up
+    at.selectbox(key="live_policy").set_value("fixed:4@ngram")
+    at.number_input(key="live_max_new").set_value(12)
+    at.button(key="live_generate").click().run(timeout=60)
+    assert not at.exception and not _errors(at), _errors(at)
+    table = at.dataframe[0].value
+    assert set(table["proposer"]) <= {"", "ngram"}
+    with Store(app_env) as store:
+        run = store.runs().iloc[0]
+        steps = store.steps(run["run_id"])
+    assert run["policy"] == "fixed:4@ngram" and list(steps["proposer"]) == list(table["proposer"])
 
 
 def test_bad_policy_is_one_line_error(app_env):
@@ -169,11 +203,16 @@ def test_two_sessions_generating_at_once_on_a_fresh_database_keep_both_runs(app_
         at.number_input(key="live_max_new").set_value(12)
     start = threading.Barrier(2)
 
-    def press(at: AppTest) -> None:
+    def press(at: AppTest, delay: float) -> None:
         start.wait()
+        # The second press comes a moment later: CPython 3.11 compiles scripts with a process-wide
+        # AST recursion counter, and two threads compiling at once can fail with "AST constructor
+        # recursion depth mismatch" (python/cpython#106905). The decodes still overlap: each takes
+        # seconds, so the second finds the decode slot taken.
+        time.sleep(delay)
         at.button(key="live_generate").click().run(timeout=120)
 
-    threads = [threading.Thread(target=press, args=(at,)) for at in sessions]
+    threads = [threading.Thread(target=press, args=(at, 0.5 * i)) for i, at in enumerate(sessions)]
     for t in threads:
         t.start()
     for t in threads:

@@ -36,6 +36,7 @@ def test_two_greedy_policies_side_by_side_and_stored(app_env):
     table = at.dataframe[0].value
     assert len(table) == 2 and list(table["policy"]) == ["ar", "fixed:2"]
     assert (table["tokens_per_s"] > 0).all() and table["acceptance_rate"].isna().tolist() == [True, False]
+    assert list(table["proposers"]) == ["—", "draft 100%"]  # the proposer mix: who drafted the drafting steps
     assert len(at.get("plotly_chart")) == 1  # the γ timelines
     assert any("identical" in s.value for s in at.success), [s.value for s in at.success]
     assert any(s.value.startswith("Stored 2 runs") for s in at.success)
@@ -50,6 +51,19 @@ def test_two_greedy_policies_side_by_side_and_stored(app_env):
 
     at.run()  # a rerun keeps showing the result
     assert not at.exception and len(at.dataframe[0].value) == 2
+
+
+def test_proposer_forms_are_offered_and_their_mix_shown(app_env):
+    at = _compare()
+    assert {"fixed:4@ngram", "rakv@draft", "rakv@ngram"} <= set(at.multiselect(key="compare_policies").options)
+    at.text_area(key="compare_prompts").set_value("abc abc abc abc abc")
+    at.multiselect(key="compare_policies").set_value(["fixed:2", "fixed:4@ngram"])
+    at.number_input(key="compare_max_new").set_value(12)
+    at.button(key="compare_run").click().run()
+    assert not at.exception and not _errors(at), _errors(at)
+    mix = dict(zip(at.dataframe[0].value["policy"], at.dataframe[0].value["proposers"]))
+    assert mix["fixed:2"] == "draft 100%" and mix["fixed:4@ngram"] in ("ngram 100%", "—")
+    assert any("identical" in s.value for s in at.success)  # greedy: the n-gram drafts change nothing
 
 
 def test_one_policy_is_a_one_line_error(app_env):

@@ -23,14 +23,85 @@ def test_decode_bench_compares_against_hf_in_one_run(tiny_pair, monkeypatch):
     assert res["tokens"]["ar"] == res["tokens"]["hf_generate"]
 
 
-def test_draft_bench_reports_what_the_issue_asks(tiny_pair):
-    res = bench_draft.measure(tiny_pair, per_task=1, max_new=6, ks=[1, 2])
-    assert 0 <= res["agreement"] <= 1 and res["agreement_positions"] > 0
-    assert res["draft_ms"] > 0 and res["target_ms"] > 0 and res["draft_cost_ratio"] > 0
-    assert res["best_fixed_k"] in (1, 2)
-    # τ counts the target's own token too; at the end of a response a step may emit fewer.
-    assert res["mean_accepted_at_4"] <= res["tokens_per_step_at_4"] <= res["mean_accepted_at_4"] + 1
-    assert res["best_fixed_vs_ar"] == pytest.approx(max(res["fixed_vs_ar"].values()))
+TINY_PROMPTS = [("code", "def f(x): return x + 1"), ("math", "2+2= 2+2="), ("chat", "Hello there, hello"),
+                ("summarization", "Summarize: the cat sat. The cat sat."), ("code", "def g(y):")]
+
+
+@pytest.fixture(scope="module")
+def eagle_tiny(tiny_pair):
+    """The tiny pair with a random EAGLE head: all three proposers."""
+    import dataclasses
+
+    import torch
+
+    from engine import eagle as eaglelib
+
+    emb = tiny_pair.target.get_input_embeddings().weight.detach().float()
+    torch.manual_seed(0)
+    head = eaglelib.build_head(tiny_pair.target, emb, torch.arange(0, emb.shape[0], 2))
+    tap = eaglelib.FeatureTap(tiny_pair.target)
+    yield dataclasses.replace(tiny_pair, eagle=head.eval(), feature_tap=tap, eagle_name="tiny eagle")
+    tap.close()
+
+
+def _slower(runner, names, by_s=1.0):
+    """A runner factory whose runs of `names` take `by_s` longer on the clock."""
+    def make(pair, name, *rest):
+        run = runner(pair, name, *rest)
+        if name not in names:
+            return run
+        return lambda ids, n: (lambda t, steps, s: (t, steps, s + by_s))(*run(ids, n))
+    return make
+
+
+def test_draft_bench_reports_what_the_issue_asks(tiny_dirs, eagle_tiny, monkeypatch):
+    from engine.models import load_pair
+
+    import dataclasses
+
+    target, draft = tiny_dirs
+    exact_bf16 = load_pair(str(target), str(draft), "bf16", device="cpu", exact_verify=True)
+
+    def load(tier, exact):  # the fast verify is the exact pair's target verifying outside invariance.verifying()
+        return eagle_tiny if tier == "fp32" else dataclasses.replace(exact_bf16, exact_verify=bool(exact))
+
+    # ar and HF assisted made slower on purpose: the ratios against them must show it.
+    monkeypatch.setattr(bench_draft, "speclab_runner", _slower(bench_draft.speclab_runner, {"ar"}))
+    monkeypatch.setattr(bench_draft, "hf_runner", _slower(bench_draft.hf_runner, {"hf_assisted:constant:2",
+                                                                                 "hf_assisted:heuristic"}))
+    opts = bench_draft.Options(per_task=1, max_new=6, ks=(2,), hf_assisted=("constant:2", "heuristic"), hf_lookup=(2,),
+                               cost_buckets=(64,), cost_reps=1, calibrate_tokens=8, prompts=TINY_PROMPTS,
+                               forward_reps=2, say=lambda m: None)
+    settings = bench_draft.settings_for(["fp32", "bf16"], "auto")
+    assert settings == [("fp32", "auto"), ("bf16", "exact"), ("bf16", "fast")]
+    res = bench_draft.measure(load, settings, opts)
+    for key in ("tau_at_4", "best_vs_ar_fp32", "best_vs_ar_bf16", "best_vs_hf_assisted", "worst_task_vs_ar", "best_policy"):
+        assert res[key] is not None, key
+    assert set(res["settings"]) == {"fp32", "bf16/exact", "bf16/fast"} and set(res["tiers"]) == {"fp32", "bf16"}
+    assert res["best_bf16_verify"] in ("exact", "fast") and res["best_vs_ar_bf16"] > 1
+    assert res["best_vs_ar_fp32"] > 1 and res["best_vs_hf_assisted"] > 1 and res["worst_task_vs_ar"] > 1
+    fp32 = res["settings"]["fp32"]
+    want = {"ar", "rakv"} | {f"fixed:{k}@{p}" for k in (2, 4) for p in ("draft", "eagle", "ngram")}
+    assert set(fp32["tok_s"]) == want and set(res["settings"]["bf16/fast"]["tok_s"]) == want - {"fixed:2@eagle", "fixed:4@eagle"}
+    assert res["best_policy"] in want - {"ar"} and "rakv" in fp32["adaptive_vs_peer"]
+    # τ counts the target's own token: between 1 and γ + 1 per step.
+    assert set(res["proposers"]) == {"draft", "eagle", "ngram"}
+    for p, s in res["proposers"].items():
+        assert s["tau_at_4"] is None or 1 <= s["tau_at_4"] <= 5, p
+        assert s["cost_ratio"] >= 0 and set(s["tau_at_4_by_task"]) == {"code", "math", "chat", "summarization"}
+    assert res["tau_at_4"] == max(s["tau_at_4"] for s in res["proposers"].values() if s["tau_at_4"] is not None)
+    assert 0 <= res["agreement"] <= 1 and res["agreement_positions"] > 0 and res["draft_cost_ratio"] > 0
+    t = res["tiers"]["fp32"]
+    assert set(t["hf_tok_s"]) == {"hf_generate", "hf_assisted:constant:2", "hf_assisted:heuristic", "hf_lookup:2"}
+    assert t["best_vs_hf_assisted"] == pytest.approx(t["best_tok_s"] / t["hf_assisted_best_tok_s"])
+    # Exact where it must be: fp32 and the exact verify at bf16 give HF generate's tokens.
+    for w in ("fp32", "bf16/exact"):
+        assert all(v == 1.0 for v in res["settings"][w]["identical_to_hf_generate"].values()), w
+    d = res["fast_verify_divergence"]
+    assert set(d) == {"bf16/fast"} and 0 <= d["bf16/fast"]["identical_fraction"] <= 1
+    assert d["bf16/fast"]["runs"] == 4 * (len(res["settings"]["bf16/fast"]["tok_s"]) - 1)
+    assert res["speckv"].startswith("speckv not run")
+    assert "headline" in bench_draft.format_report(res)
 
 
 def test_controllers_bench_decision_against_sklearn_in_one_run():
@@ -70,9 +141,12 @@ def test_controllers_bench_live_reports_every_policy_per_tier(tiny_dirs, tmp_pat
 
     with Store(str(tmp_path / "c.duckdb"), read_only=True) as st:
         runs = st.runs(sweep=res["sweep"])
-    assert len(runs) == 4 * 5 * 2  # every (prompt, policy) twice
-    assert set(t["tokens_per_s"]) == {"ar", "fixed:1", "fixed:2", "speckv", "rakv"} and t["prompts"] == 4
-    assert t["best_fixed"] in ("fixed:1", "fixed:2") and set(t["vs_peer"]) == {"speckv", "rakv"}
+    fixed = {f"fixed:{k}@{p}" for k in (1, 2) for p in ("draft", "ngram")}  # every proposer the tiny pair has
+    assert len(runs) == 4 * 7 * 2  # every (prompt, policy) twice
+    assert set(t["tokens_per_s"]) == {"ar", "speckv", "rakv"} | fixed and t["prompts"] == 4
+    assert t["best_fixed"] in fixed and set(t["vs_peer"]) == {"speckv", "rakv"}
+    assert t["peer"] == pytest.approx(max(t["tokens_per_s"][p] for p in fixed | {"ar"}))
+    assert set(t["best_fixed_by_proposer"]) == {"draft", "ngram"}
     assert res["controller"]["whatif_kind"] == "exact replay"
     assert len(res["step_factor"]["fp32"]) == 9  # costs calibrated on the training prompts' live steps
 

@@ -70,10 +70,36 @@ def test_summary_and_gamma_series():
     assert f["ttft_ms"] == 20.0 and f["acceptance_rate"] == pytest.approx(2 / 5)
     assert f["mean_accepted"] == pytest.approx(2 / 3) and f["tokens_per_step"] == pytest.approx(5 / 3)
     assert rows["ar"]["acceptance_rate"] is None and rows["ar"]["tokens_per_step"] == 1.0
+    # Steps stored before proposers had names were the draft model's.
+    assert f["proposers"] == "draft 100%" and rows["ar"]["proposers"] == "—"
     assert C.gamma_series([a, b, c], 0) == {"fixed:2": ([1, 2], [2, 2]), "ar": ([1, 2], [0, 0])}
+    assert C.proposer_series([a, b, c], 0) == {"fixed:2": ["draft", "draft"], "ar": ["", ""]}
     diffs = C.output_differences([a, b, c], decode=lambda ids: f"<{ids[0]}>")
     assert diffs[0]["position"] == 3 and diffs[0]["token_text"] == ["<4>", None]
     assert diffs[1]["identical"] and C.greedy([a, b]) and not C.greedy([_result("ar", 0, [1], [], temperature=1.0)])
+
+
+def test_proposer_mix_is_the_share_of_drafting_steps_per_proposer():
+    steps = [dict(_step(1, 2, 2, 1, 2), proposer="ngram"), dict(_step(2, 0, 0, 0, 1), proposer=""),
+             dict(_step(3, 4, 4, 4, 5), proposer="draft"), dict(_step(4, 3, 3, 0, 1), proposer="ngram"),
+             dict(_step(5, 1, 0, 0, 1), proposer="")]  # chose 1, drafted none (the budget): plain
+    assert C.proposer_mix(steps) == {"ngram": pytest.approx(2 / 3), "draft": pytest.approx(1 / 3)}
+    assert C.mix_label(C.proposer_mix(steps)) == "ngram 67% · draft 33%" and C.mix_label({}) == "—"
+    a = _result("rakv", 0, [1, 2, 3], [_step(0, 0, 0, 0, 1)] + steps)
+    assert C.summary_rows([a])[0]["proposers"] == "ngram 67% · draft 33%"
+    assert C.proposer_series([a]) == {"rakv": ["ngram", "", "draft", "ngram", ""]}
+
+
+def test_policy_options_offer_the_proposer_forms():
+    base = ["ar", "fixed:4", "rakv"]
+    assert C.policy_options(base) == base + ["fixed:4@ngram", "rakv@draft", "rakv@ngram"]
+    with_eagle = C.policy_options(base, ("draft", "eagle", "ngram"))
+    assert {"fixed:4@eagle", "fixed:4@ngram", "rakv@eagle"} <= set(with_eagle) and with_eagle[:3] == base
+    assert C.policy_options(base, ("draft",)) == base  # one proposer: nothing to choose among
+    from engine.policies import parse_policy
+
+    for spec in with_eagle:
+        parse_policy(spec)  # every form parses
 
 
 def test_whatif_table_and_best():

@@ -47,14 +47,15 @@ def test_trace_records_the_target_output_and_draft_agreement(tiny_pair, traced):
     traces, _ = traced
     for t in traces:
         out = t.row["token_ids"]
-        assert len(t.positions) == len(out) - 1 and [r["position"] for r in t.positions] == list(range(1, len(out)))
-        for r in t.positions:
+        draft = [r for r in t.positions if r["proposer"] == "draft"]  # every proposer has its rows (test_proposers.py)
+        assert len(draft) == len(out) - 1 and [r["position"] for r in draft] == list(range(1, len(out)))
+        for r in draft:
             n = r["accept_len"]
             # L(p) counts exactly the leading draft tokens equal to the target's output.
             assert r["draft_ids"][:n] == out[r["position"]: r["position"] + n]
             assert n == 8 or r["position"] + n == len(out) or r["draft_ids"][n] != out[r["position"] + n]
             assert len(r["entropies"]) == len(r["confidences"]) == 8
-    assert any(r["accept_len"] > 0 for t in traces for r in t.positions)  # the noisy draft agrees sometimes
+    assert any(r["accept_len"] > 0 for t in traces for r in t.positions if r["proposer"] == "draft")  # the noisy draft agrees sometimes
 
 
 @pytest.mark.parametrize("spec", ["fixed:1", "fixed:3", "fixed:8", "heuristic", "threshold:0.5", "speckv", "rakv"])
@@ -167,8 +168,9 @@ def test_trace_examples_label_every_gamma_after_every_walked_step():
     ents, confs = [0.1 * i for i in range(1, 9)], [1 - 0.1 * i for i in range(1, 9)]
     traces = pd.DataFrame([dict(trace_id="t", token_ids=list(range(12)), prompt_ids=[0, 1], max_new_tokens=12,
                                 target_tier="fp32", task="code", prompt="p")])
-    positions = pd.DataFrame([dict(trace_id="t", position=p, accept_len=2, draft_ids=list(range(8)), entropies=ents,
-                                   confidences=confs) for p in range(1, 12)])
+    # L(p) = 2 everywhere: the first two drafted ids are the output's next two (replay accepts what agrees).
+    positions = pd.DataFrame([dict(trace_id="t", position=p, accept_len=2, draft_ids=[p, p + 1] + [99] * 6,
+                                   entropies=ents, confidences=confs) for p in range(1, 12)])
     ex = from_traces(traces, positions)
     one = np.isclose(ex.x[:, 0], 0.1) & np.isclose(ex.x[:, 2], 0.1)  # rows after a 1-token step
     after_one = ex.x[one]
@@ -270,13 +272,17 @@ def test_sampling_traces_store_the_acceptance_probability(tiny_pair, tiny_dirs):
     from engine.models import load_pair
 
     t = trace(tiny_pair, "Hello there, how", "chat", 16, temperature=1.0)
-    probs = [r["accept_prob"] for r in t.positions]
+    probs = [r["accept_prob"] for r in t.positions if r["proposer"] == "draft"]
     assert all(0.0 <= a <= 1.0 + 1e-6 for a in probs) and min(probs) < 0.999  # a noisy draft loses some mass
     itself = load_pair(str(tiny_dirs[0]), str(tiny_dirs[0]), target_tier="fp32", draft_tier="fp32", device="cpu")
     same = trace(itself, "Hello there, how", "chat", 16, temperature=1.0)
-    assert all(abs(r["accept_prob"] - 1.0) < 1e-4 for r in same.positions)  # p == q: always accepted
-    assert all(r["accept_len"] == 8 or r["position"] + r["accept_len"] == len(same.row["token_ids"])
-               for r in same.positions)
+    drafts = [r for r in same.positions if r["proposer"] == "draft"]
+    assert all(abs(r["accept_prob"] - 1.0) < 1e-4 for r in drafts)  # p == q: always accepted
+    assert all(r["accept_len"] == 8 or r["position"] + r["accept_len"] == len(same.row["token_ids"]) for r in drafts)
+    # An n-gram proposal is one-hot: accepted with q(x) where it proposes, no figure where it cannot.
+    ngram = [r for r in same.positions if r["proposer"] == "ngram"]
+    assert all((r["accept_prob"] is None) == (not r["draft_ids"]) for r in ngram)
+    assert all(0.0 <= r["accept_prob"] <= 1.0 for r in ngram if r["draft_ids"])
 
 
 @pytest.mark.slow

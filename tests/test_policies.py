@@ -261,3 +261,286 @@ def test_rules_preset_uses_previous_step_signals():
     assert pol.choose(_state([middling])).k == 4
     ar_step = _rec(0, 0, 0)
     assert pol.choose(_state([sure, ar_step])).k == 8  # looks back past steps that drafted nothing
+
+
+# -- several proposers ---------------------------------------------------------------------------
+class _ProposerCosts:
+    """A cost table priced per proposer: a step drafting k costs k × that proposer's ms per
+    drafted token + a verify over k + 1 tokens of 10 + per_token·k ms; no catch-up or prefill
+    measured. Duck-typed: the policies ask only for these."""
+
+    def __init__(self, per_token: float = 3.0, **draft_ms: float) -> None:
+        self.per_token, self.draft_ms = per_token, {"draft": 1.0, "eagle": 0.5, "ngram": 0.0, **draft_ms}
+
+    def bucket_of(self, context_len: int) -> int:
+        return 0
+
+    def step_ms(self, k: int, context_len: int, proposer: str = "draft") -> float:
+        return k * self.draft_ms[proposer] + 10.0 + self.per_token * k
+
+    def catchup_cost(self, cold: int, warm: int, context_len: int, proposer: str = "draft"):
+        return None
+
+    def prefill_cost(self, cold: int, reused: int):
+        return None
+
+
+def _by(proposer, k_chosen, k_drafted, accepted, **kw):
+    from dataclasses import replace
+
+    return replace(_rec(k_chosen, k_drafted, accepted, **kw), proposer=proposer if k_drafted else "")
+
+
+def _multi(history=(), lookahead=None, alphas=None, proposers=("draft", "ngram")):
+    """A state of a run with several proposers: the n-gram proposer sees a 4-token continuation
+    unless `lookahead` says otherwise; `alphas` the engine's per-proposer EWMAs."""
+    from engine.records import UNBOUNDED
+
+    st = _state(history)
+    st.proposers = proposers
+    st.lookahead = {"draft": UNBOUNDED, "eagle": UNBOUNDED, "ngram": 4, **(lookahead or {})}
+    st.alphas = dict(alphas or {})
+    return st
+
+
+def _ctx(costs):
+    return PolicyContext(costs=costs, controller=synthetic_context().controller)
+
+
+def test_rakv_drafts_with_the_proposer_that_makes_a_token_cheapest():
+    costs = _ProposerCosts()  # a drafted token costs the draft model 1 ms, the n-gram lookup nothing
+    good = [_by("ngram", 4, 4, 4)] * 3
+    alphas = {"ngram": (0.95, 5.0), "draft": (0.5, 5.0)}
+    pol = make_policy("rakv", _ctx(costs))
+    a = pol.choose(_multi(good, alphas=alphas))
+    assert a.proposer == "ngram" and 1 <= a.k <= 4  # never past its continuation
+    assert pol.why.startswith(f"ngram γ {a.k}: α ≈ 0.75,") and "ms/token vs 10.0 plain" in pol.why
+    assert pol.choose(_multi(good, {"ngram": 2}, alphas)).k <= 2
+    # No match: the n-gram proposer can propose nothing and is no candidate; the draft still pays here …
+    a = pol.choose(_multi(good, {"ngram": 0}, alphas))
+    assert (a.proposer, a.k) == ("draft", 1) and pol.why.startswith("draft γ 1:")
+    # … and where it does not either, plain decoding, saying why.
+    dear = make_policy("rakv", _ctx(_ProposerCosts(draft=30.0)))
+    assert dear.choose(_multi(good, {"ngram": 0}, alphas)).k == 0
+    assert dear.why.startswith("plain:") and "ngram: nothing to propose" in dear.why
+    # The n-gram lookup accepted at almost nothing does not pay even for free (verify costs 3 ms a token).
+    assert dear.choose(_multi(good, alphas={"ngram": (0.0, 5.0)})).k == 0
+    # One proposer: the engine's own EWMA, as always (the state's per-proposer ones are not read).
+    one = _multi(proposers=("draft",), alphas={"draft": (0.0, 5.0)})
+    one.alpha_ewma, one.alpha_trials = 0.95, 200.0
+    a = pol.choose(one)
+    assert a.proposer == "draft" and a.k > 1
+
+
+def test_a_cost_table_from_before_proposers_prices_the_draft_alone():
+    """A stored table that prices only the draft model keeps working: the proposers it does not
+    price are not weighed (the why says so), never a crash in the middle of a run."""
+    old = _costs(draft_ms=30.0)  # a CostTable without other proposers' costs; the draft never pays
+    good = [_by("ngram", 4, 4, 4)] * 3
+    for spec in ("rakv", "speckv"):
+        pol = make_policy(spec, PolicyContext(costs=old, controller=synthetic_context().controller))
+        a = pol.choose(_multi(good, alphas={"ngram": (0.95, 5.0)}))
+        assert a.k == 0 or a.proposer == "draft", (spec, a)
+    assert make_policy("rakv", PolicyContext(costs=old)).choose(_multi(good)).k == 0
+    rakv = make_policy("rakv", PolicyContext(costs=old))
+    rakv.choose(_multi(good))
+    assert "ngram: no costs measured" in rakv.why
+
+
+def test_a_restricted_spec_never_drafts_with_another_proposer():
+    from engine.records import UNBOUNDED
+
+    costs = _ProposerCosts(draft=3.0)
+    histories = ([], [_by("ngram", 4, 4, 4)] * 3, [_by("draft", 2, 2, 0)] + [_rec(0, 0, 0)] * 40,
+                 [_by("ngram", 1, 1, 0)] + [_rec(0, 0, 0)] * 40)
+    for spec, only in (("rakv@draft", "draft"), ("rakv@ngram", "ngram"), ("speckv@draft", "draft"),
+                       ("speckv@ngram", "ngram")):
+        pol = make_policy(spec, _ctx(costs))
+        assert pol.proposers == (only,) and pol.name == spec
+        for hist in histories:
+            for look in (0, 2, UNBOUNDED):
+                for alpha in (0.0, 0.5, 0.99):
+                    a = pol.choose(_multi(hist, {"ngram": look}, {"draft": (alpha, 5.0), "ngram": (alpha, 5.0)}))
+                    assert a.k == 0 or a.proposer == only, (spec, hist, look, alpha, a)
+                    if only == "ngram" and look == 0:
+                        assert a.k == 0  # no match: nothing to draft with
+
+
+def test_each_proposer_waits_for_its_own_probe():
+    from dataclasses import replace
+
+    from engine.policies.base import probe_due
+
+    costs = _ProposerCosts(draft=30.0)
+    plain, dud, spec = _rec(0, 0, 0), _by("ngram", 1, 1, 0), _by("draft", 4, 4, 3)
+    prefill = replace(plain, step=0)
+    due = lambda hist, p: probe_due(_multi(hist), costs, p)  # noqa: E731
+    # The n-gram probe right after the prefill bought nothing: its next waits 16 steps it did not
+    # draft, the draft model's steps counted; the draft, drafting all along, is due for nothing.
+    hist = [prefill, dud] + [spec] * 15
+    assert not due(hist, "ngram") and due(hist + [spec], "ngram") and not due(hist + [spec], "draft")
+    # The policy: a due probe of the free n-gram proposer replaces a plain step …
+    alphas = {"ngram": (0.0, 5.0)}  # it was rejected: α ≈ 0.22, below what a verified token costs
+    rakv = make_policy("rakv", _ctx(costs))
+    a = rakv.choose(_multi([prefill, dud] + [plain] * 16, alphas=alphas))
+    assert (a.k, a.proposer) == (1, "ngram") and rakv.why.startswith("probe ngram")
+    # (A step earlier only the draft model's wait was over: it has not drafted since the prefill.)
+    a = rakv.choose(_multi([prefill, dud] + [plain] * 15, alphas=alphas))
+    assert (a.k, a.proposer) == (1, "draft") and rakv.why.startswith("probe draft: draft has not drafted")
+    assert rakv.choose(_multi([prefill, dud] + [plain] * 14, alphas=alphas)).k == 0  # neither is due
+    assert rakv.choose(_multi([prefill, dud] + [plain] * 16, {"ngram": 0}, alphas)).proposer != "ngram"  # no match
+    # … never a draft of another proposer that pays.
+    cheap = make_policy("rakv", _ctx(_ProposerCosts(draft=0.5)))
+    a = cheap.choose(_multi(hist + [spec], alphas={"ngram": (0.0, 5.0), "draft": (0.75, 5.0)}))
+    assert a.proposer == "draft" and a.k > 1
+
+
+def test_speckv_weighs_the_other_proposers_by_their_acceptance():
+    import numpy as np
+
+    from engine.predictor import Predictor
+    from engine.policies.speckv import SpeckvPolicy
+
+    flat = Predictor("mlp", {"w0": np.zeros((6, 1)), "b0": np.array([0.3])}, meta={"signal_defaults": [0.5, 0.9, 0.5, 0.9]})
+    pol = SpeckvPolicy(flat, _ProposerCosts(draft=3.0))  # the draft's drafts: 30% accepted, 6 ms a token
+    good = [_by("ngram", 4, 4, 4, ents=[0.0] * 4, confs=[1.0] * 4)] * 3
+    a = pol.choose(_multi(good, alphas={"ngram": (0.95, 5.0)}))
+    assert a.proposer == "ngram" and 1 <= a.k <= 4 and pol.why.startswith(f"ngram γ {a.k}: predicted")
+    # The MLP reads the draft model's own last draft, not an n-gram copy's certainty.
+    unsure = _by("draft", 4, 4, 0, ents=[3.0] * 4, confs=[0.2] * 4)
+    sure = _by("draft", 4, 4, 4, ents=[0.0] * 4, confs=[1.0] * 4)
+    cheap = make_policy("speckv", _ctx(_ProposerCosts(per_token=0.5)))
+    k = lambda hist: cheap.choose(_multi(hist, {"ngram": 0})).k  # noqa: E731
+    assert k([unsure] + good) == k([unsure]) < k([sure])
+    cheap.observe(_by("ngram", 4, 4, 0))  # another proposer's rejection says nothing of the MLP's rates
+    assert cheap._feedback == [0.0, 0.0]
+
+
+class _Lookup:
+    """A toy n-gram proposer: the tokens that followed the newest earlier occurrence of the last one."""
+
+    name, unread = "ngram", (0, 0)
+
+    def __init__(self, prompt):
+        self.context = list(prompt)
+
+    def _match(self) -> list[int]:
+        last = self.context[-1]
+        for i in range(len(self.context) - 2, -1, -1):
+            if self.context[i] == last:
+                return self.context[i + 1 : -1][:8]
+        return []
+
+    def lookahead(self) -> int:
+        return len(self._match())
+
+    def propose(self, k, keep_drafting):
+        return [DraftToken(t, 0.0, 1.0) for t in self._match()[:k]]
+
+    def update(self, accepted, emitted):
+        self.context += emitted
+
+
+class _Wrong(_Lookup):
+    """A toy draft model that never guesses right."""
+
+    name = "draft"
+
+    def lookahead(self) -> int:
+        from engine.records import UNBOUNDED
+
+        return UNBOUNDED
+
+    def propose(self, k, keep_drafting):
+        return [DraftToken(-1, 2.0, 0.3) for _ in range(k)]
+
+
+class _Text:
+    """A toy greedy verifier over a known output: accepts the drafts' common prefix with it."""
+
+    ended, reused = False, 0
+
+    def __init__(self, out):
+        self.out, self.pos = out, 0
+
+    def prefill(self, take):
+        return self._emit(1)[0]
+
+    def verify(self, drafted):
+        n = 0
+        while n < len(drafted) and self.pos + n < len(self.out) and drafted[n].token_id == self.out[self.pos + n]:
+            n += 1
+        return n, self._emit(n + 1)
+
+    def _emit(self, n):
+        new = self.out[self.pos : self.pos + n]
+        self.pos += len(new)
+        self.ended = self.pos >= len(self.out)
+        return new
+
+
+def _toy_run(spec, out, prompt):
+    from engine.step import Setting, decode
+
+    pol = make_policy(spec, _ctx(_ProposerCosts()))
+    proposers = {"draft": _Wrong(prompt), "ngram": _Lookup(prompt)}
+    if pol.proposers is not None:
+        proposers = {p: proposers[p] for p in pol.proposers}
+    return list(decode(proposers, _Text(out), pol, Setting(len(prompt), len(out), "fp32", "native"), lambda: 0.0))
+
+
+def test_rakv_moves_to_the_proposer_that_gets_accepted_in_a_run():
+    """Through the step loop: on a text that repeats itself, with a draft that never guesses right,
+    rakv drafts mostly by n-gram lookup; and decides from records alone (the same run twice)."""
+    prompt = [1, 2, 3, 4, 5, 6, 7, 8]
+    out = [9] + prompt * 5
+    steps = _toy_run("rakv", out, prompt)
+    assert [t for r in steps for t in r.token_ids] == out
+    drafted = [r for r in steps if r.k_drafted]
+    assert {r.proposer for r in drafted} <= {"draft", "ngram"}
+    by_ngram = [r for r in drafted if r.proposer == "ngram"]
+    assert len(by_ngram) > 0.8 * len(drafted) and sum(r.accepted for r in by_ngram) > 0.6 * len(out)
+    assert [(r.proposer, r.k_chosen, r.accepted) for r in steps] == \
+           [(r.proposer, r.k_chosen, r.accepted) for r in _toy_run("rakv", out, prompt)]
+    assert all(r.proposer in ("", "draft") for r in _toy_run("rakv@draft", out, prompt))
+    plain = _toy_run("rakv@ngram", out, prompt)
+    assert {r.proposer for r in plain if r.k_drafted} == {"ngram"} and len(plain) < len(out) / 2
+
+
+REPLAY_PROMPTS = ("ab ab ab ab ab ab", "def add(a, b): return a + b\ndef add(")
+
+
+@pytest.fixture(scope="module")
+def traced_proposers(tiny_pair):
+    """Traces of every proposer the tiny pair has along two prompts, and costs that make the
+    n-gram lookup free and a verified token dear, so that choosing between the two is a real choice."""
+    from engine.costs import CostTable, DraftCost
+    from engine.profiling import trace
+
+    costs = CostTable([1], [1.0], [[10.0 + 3.0 * k for k in range(K_MAX + 1)]],
+                      proposer_costs={"ngram": DraftCost([0.0])})
+    return [trace(tiny_pair, p, "code", 24) for p in REPLAY_PROMPTS], costs
+
+
+@pytest.mark.parametrize("spec", ["rakv", "speckv", "rakv@ngram", "fixed:3@ngram"])
+def test_replay_matches_the_live_run_choosing_among_proposers(tiny_pair, traced_proposers, spec):
+    """A trace records every proposer's proposal; a replay then takes the live run's steps, who
+    drafted each included."""
+    from engine.generation import GenConfig, Generation, encode_prompt
+    from engine.whatif import replay
+
+    traces, costs = traced_proposers
+    ctx = PolicyContext(costs=costs, controller=synthetic_context().controller)
+    seen = set()
+    for t in traces:
+        assert {r["proposer"] for r in t.positions} == {"draft", "ngram"}
+        ids = encode_prompt(tiny_pair.tokenizer, t.row["prompt"], chat=True)
+        live = Generation(tiny_pair, ids, make_policy(spec, ctx), GenConfig(max_new_tokens=24)).run()
+        rep = replay(make_policy(spec, ctx), t.row, t.positions, costs)
+        assert live.token_ids == t.row["token_ids"]
+        assert [(r.proposer, r.k_chosen, r.k_drafted, r.accepted, r.emitted) for r in rep.steps] == \
+               [(r.proposer, r.k_chosen, r.k_drafted, r.accepted, r.emitted) for r in live.records]
+        seen |= {r.proposer for r in live.records if r.k_drafted}
+    assert "ngram" in seen  # the lookup drafted somewhere
+    if spec.startswith("rakv@") or spec.startswith("fixed"):
+        assert seen == {"ngram"}

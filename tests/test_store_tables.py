@@ -66,7 +66,7 @@ def test_trace_round_trip_and_ordering() -> None:
 
         got = records(st.trace_positions(first))
         want_pos = sorted(make_positions(3), key=lambda p: p["position"])
-        assert got == [dict(p, trace_id=first) for p in want_pos]
+        assert got == [dict(p, trace_id=first, proposer="draft", lookahead=None) for p in want_pos]  # migration 9's defaults
         everything = st.trace_positions()
         assert list(zip(everything["trace_id"], everything["position"])) == [
             ("mine", 0), ("mine", 1), (first, 0), (first, 1), (first, 2)]
@@ -349,7 +349,7 @@ def test_version_1_file_migrates_and_keeps_its_runs(tmp_path: Path) -> None:
     con = duckdb.connect(str(path), read_only=True)
     try:
         assert con.execute("SELECT schema_version FROM meta").fetchall() == [(SCHEMA_VERSION,)]
-        assert SCHEMA_VERSION == 8
+        assert SCHEMA_VERSION == 9
         cols = [r[0] for r in con.execute("SELECT column_name FROM information_schema.columns WHERE table_name = 'costs'").fetchall()]
         assert "step_factor" in cols  # migration 3: calibrated cost tables
         assert {"prefill_ms", "fill_ms"} <= set(cols)  # migration 4: the prefill, cold and from the prefix cache
@@ -370,3 +370,61 @@ def test_kv_measurements_are_stored_and_read_back_by_key() -> None:
         with pytest.raises(StoreError, match="result"):
             st.add_kv_measurement(dict(device="cpu", target="t", target_tier="bf16", kind="bench", result=object()))
         assert len(st.kv_measurements()) == 2  # the refused row changed nothing
+
+
+# ----- migration 9: proposers -------------------------------------------------------------------
+def test_version_8_file_reads_as_the_draft_models_and_takes_every_proposers_rows(tmp_path: Path) -> None:
+    """Migration 9: steps, trace positions and cost rows made before proposers had names were the
+    draft model's (a step that drafted nothing names none); afterwards a trace holds a row per
+    proposer and position, and a cost table a row per proposer and bucket."""
+    from engine.costs import CostTable
+
+    path = tmp_path / "v8.duckdb"
+    con = duckdb.connect(str(path))
+    con.execute("CREATE TABLE meta (schema_version INTEGER NOT NULL)")
+    for sql in MIGRATIONS[:8]:
+        con.execute(sql)
+    con.execute("INSERT INTO meta VALUES (8)")
+    con.execute("INSERT INTO runs (run_id, policy) VALUES ('old', 'fixed:2')")
+    con.execute("INSERT INTO steps (run_id, step, k_drafted, accepted) VALUES ('old', 0, 0, 0), ('old', 1, 2, 1)")
+    con.execute("INSERT INTO traces (trace_id, target, target_tier, prompt) VALUES ('t-old', 't', 'fp32', 'p')")
+    con.execute("INSERT INTO trace_positions (trace_id, position, accept_len, draft_ids) VALUES ('t-old', 1, 2, [5, 6])")
+    con.execute("INSERT INTO costs (cost_id, device, target, draft, target_tier, ctx_bucket, draft_ms, verify_ms)"
+                " VALUES ('c-old', 'cpu', 't', 'd', 'fp16', 64, 1.0, [1, 2, 3, 4, 5, 6, 7, 8, 9])")
+    con.close()
+    with Store(path) as st:
+        assert st.steps("old")["proposer"].tolist() == ["", "draft"]
+        old_pos = records(st.trace_positions("t-old"))
+        assert [(r["proposer"], r["position"], r["accept_len"], r["lookahead"]) for r in old_pos] == [("draft", 1, 2, None)]
+        old_costs = st.costs().to_dict("records")
+        assert [r["proposer"] for r in old_costs] == ["draft"]
+        table = CostTable.from_rows(old_costs)
+        assert table.proposers == ("draft",) and table.step_ms(2, 64) == 2 * 1.0 + 3.0
+        with pytest.raises(ValueError, match="no draft costs for proposer 'ngram'"):
+            table.step_ms(2, 64, "ngram")
+        assert table.step_ms(0, 64, "ngram") == 1.0  # a plain step is no proposer's
+
+        # Rows without a proposer: an imported step that drafted is the draft model's.
+        st.add_run(make_run_row(), [dict(step=0, k_drafted=0), dict(step=1, k_drafted=3), dict(step=2, k_drafted=1, proposer="ngram")])
+        new_run = st.runs(policy="new")["run_id"].iloc[0]
+        assert st.steps(new_run)["proposer"].tolist() == ["", "draft", "ngram"]
+        both = [dict(p, proposer=name, lookahead=la) for name, la in (("draft", None), ("ngram", 0))
+                for p in make_positions(2)]
+        tid = st.add_trace(make_trace(), both)
+        got = records(st.trace_positions(tid))
+        assert [(r["proposer"], r["position"], r["lookahead"]) for r in got] == [
+            ("draft", 0, None), ("draft", 1, None), ("ngram", 0, 0), ("ngram", 1, 0)]
+        assert st.trace_proposers() == {"t-old": ("draft",), tid: ("draft", "ngram")}
+        with pytest.raises(StoreError, match=r"position 0 \(proposer 'ngram'\) is repeated"):
+            st.add_trace(make_trace(), both + [dict(make_positions(1)[0], proposer="ngram")])
+        rows = make_costs((64,), kv_tier="native") + [dict(make_costs((64,))[0], proposer="ngram", draft_ms=0.01,
+                                                               verify_ms=None)]
+        cid = st.add_costs(rows)
+        new = CostTable.from_rows([r for r in st.costs().to_dict("records") if r["cost_id"] == cid])
+        assert new.proposers == ("draft", "ngram") and new.step_ms(3, 64, "ngram") == pytest.approx(3 * 0.01 + 5.0)
+        back = CostTable.from_rows(new.to_rows(5))
+        assert back.proposer_costs == new.proposer_costs and back.verify_ms == new.verify_ms
+
+
+def make_run_row() -> dict[str, Any]:
+    return {"policy": "new", "target": "t", "draft": "d", "target_tier": "fp16"}

@@ -27,7 +27,15 @@ DEFAULT_PROMPT = WORKBENCH_PROMPT
 # The comparison everyone asks first: plain decoding, a fixed γ, and the cost-aware default.
 DEFAULT_POLICIES = ["ar", "fixed:4", DEFAULT_POLICY]
 POLICY_OPTIONS = list(dict.fromkeys(["ar"] + [f"fixed:{k}" for k in range(1, 9)] + POLICY_EXAMPLES))
+PROPOSERS_KEY = "speclab_proposers"  # the loaded pair's proposers (as views/live.py keeps them)
+# Marker shapes of the proposers on the γ timelines; a plain step is a small dot.
+PROPOSER_SYMBOLS = {"draft": "circle", "eagle": "diamond", "ngram": "square", "": "circle-open"}
 WHATIF_DEFAULT = ["ar", "fixed:2", "fixed:4", "heuristic", "rakv"]
+
+
+def _options() -> list[str]:
+    """POLICY_OPTIONS and the `@proposer` forms of the last pair loaded in this session."""
+    return C.policy_options(POLICY_OPTIONS, st.session_state.get(PROPOSERS_KEY))
 
 
 # -- live ------------------------------------------------------------------------------------------
@@ -35,8 +43,9 @@ def inputs() -> tuple[bool, dict]:
     """The form; its widgets do not rerun the page until Compare is pressed."""
     with st.form("compare_form", border=False):
         prompts = st.text_area("Prompts (one per line)", value=DEFAULT_PROMPT, height=90, key="compare_prompts")
-        policies = st.multiselect("Policies (2–4)", POLICY_OPTIONS, default=DEFAULT_POLICIES,
-                                  key="compare_policies", help="Run one after another on each prompt")
+        policies = st.multiselect("Policies (2–4)", _options(), default=DEFAULT_POLICIES,
+                                  key="compare_policies", help="Run one after another on each prompt; "
+                                  "`@proposer` drafts with that proposer only, rakv chooses among all")
         c1, c2, c3, c4, c5 = st.columns(5)
         tier = c1.selectbox("Target tier", TIERS, key="compare_tier")
         kv_tier = c2.selectbox("KV tier", KV_TIERS, key="compare_kv_tier")
@@ -76,6 +85,7 @@ def run_compare(inp: dict) -> dict | None:
                                       seed=inp["seed"], kv_tier=inp["kv_tier"], reuse=False))
         cfg.validate()
         pair = get_pair(s, inp["tier"])
+        st.session_state[PROPOSERS_KEY] = C.proposers_of(pair)
         with st.spinner("Reading cost tables and controllers (measured once when missing)…"):
             with decode_slot("a comparison (cost tables)", on_wait):  # measuring a cost table runs the models
                 ctxs = {spec: context_for(s.db, pair, spec, kv_tier=inp["kv_tier"]) for spec in specs}
@@ -109,10 +119,17 @@ def run_compare(inp: dict) -> dict | None:
     )
 
 
-def gamma_figure(series: dict[str, tuple[list[int], list[int]]]) -> go.Figure:
+def gamma_figure(series: dict[str, tuple[list[int], list[int]]],
+                 proposers: dict[str, list[str]] | None = None) -> go.Figure:
+    """γ per step, one line per policy; each point's shape says who drafted it (`proposers`)."""
     fig = go.Figure()
     for policy, (x, y) in series.items():
-        fig.add_trace(go.Scatter(x=x, y=y, name=policy, mode="lines+markers", line_shape="hv", marker_size=4))
+        who = (proposers or {}).get(policy) or [""] * len(x)
+        fig.add_trace(go.Scatter(x=x, y=y, name=policy, mode="lines+markers", line_shape="hv",
+                                 marker=dict(size=[4 if p == "" else 7 for p in who],
+                                             symbol=[PROPOSER_SYMBOLS.get(p, "circle") for p in who]),
+                                 text=[p or "plain" for p in who],
+                                 hovertemplate="step %{x}: γ %{y} (%{text})<extra>" + policy + "</extra>"))
     fig.update_layout(height=300, margin=dict(l=10, r=10, t=30, b=10), title="Chosen γ per step",
                       xaxis_title="step", yaxis_title="γ", legend=dict(orientation="h", y=-0.25))
     return fig
@@ -144,7 +161,9 @@ def show_result(res: dict) -> None:
                                 "ttft_ms": st.column_config.NumberColumn("TTFT ms", format="%.1f"),
                                 "acceptance_rate": st.column_config.NumberColumn("acceptance", format="%.2f"),
                                 "mean_accepted": st.column_config.NumberColumn("mean accepted", format="%.2f"),
-                                "tokens_per_step": st.column_config.NumberColumn("tokens/step", format="%.2f")})
+                                "tokens_per_step": st.column_config.NumberColumn("tokens/step", format="%.2f"),
+                                "proposers": st.column_config.TextColumn(
+                                    "proposer mix", help="Share of the drafting steps each proposer drafted")})
     seed = f" · seed {res['seed']}" if res["seed"] is not None else ""
     mode = "greedy" if res["greedy"] else "sampling"
     st.caption(f"{res['setting']} · {mode}{seed} · runs labelled {res['label']} in their config")
@@ -156,7 +175,8 @@ def show_result(res: dict) -> None:
     if len(prompts) > 1:
         pick = st.selectbox("Prompt", range(len(prompts)), format_func=lambda i: f"{i + 1}: {prompts[i][:80]}",
                             key="compare_pick")
-    st.plotly_chart(gamma_figure(C.gamma_series(res["results"], pick)), key="compare_gamma")
+    st.plotly_chart(gamma_figure(C.gamma_series(res["results"], pick), C.proposer_series(res["results"], pick)),
+                    key="compare_gamma")
 
     st.subheader("Outputs")
     for d in res["diffs"]:
@@ -213,7 +233,7 @@ def whatif_panel() -> None:
     kv_tiers = sorted(set(traces["kv_tier"].fillna("native"))) if "kv_tier" in traces else ["native"]
     st.caption(f"{len(traces)} traced prompts in {db}; tasks: {', '.join(sorted(set(traces['task'].fillna('-'))))}")
     with st.form("compare_whatif_form", border=False):
-        policies = st.multiselect("Policies", POLICY_OPTIONS, default=[p for p in WHATIF_DEFAULT if p in POLICY_OPTIONS],
+        policies = st.multiselect("Policies", _options(), default=[p for p in WHATIF_DEFAULT if p in POLICY_OPTIONS],
                                   key="compare_whatif_policies")
         c1, c2 = st.columns(2)
         chosen_tiers = c1.multiselect("Target tiers", tiers, default=tiers, key="compare_whatif_tiers")

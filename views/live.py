@@ -14,11 +14,16 @@ from engine.prompts import WORKBENCH_PROMPT
 from engine.models import KV_TIERS, TIERS
 from engine.service import context_for
 from engine.slots import decode_slot
+from engine.compare import policy_options, proposers_of
 from engine.policies import DEFAULT_POLICY, POLICY_EXAMPLES, make_policy, parse_policy
+from engine.records import PROPOSER_NAMES
 from engine.generation import GenConfig, Generation, encode_prompt, run_row
 from views.common import Saved, get_pair, get_prefix_cache, save_run, settings, show_error, show_saved
 
 RESULT_KEY = "live_result"
+PROPOSERS_KEY = "speclab_proposers"  # the loaded pair's proposers (engine.oracles.available), for the selectors
+# Marker shapes of the proposers on the γ timeline (colours come from the figure's palette).
+PROPOSER_SYMBOLS = {"draft": "circle", "eagle": "diamond", "ngram": "square"}
 DEFAULT_PROMPT = WORKBENCH_PROMPT
 # Redraw budget while streaming: every redraw is work for this server and for the browser, which
 # share the cores with torch (on 2 cores per-step redraws cut decode speed 2.5–10×). The text
@@ -27,7 +32,7 @@ TEXT_INTERVAL_S = 1.0
 CHART_INTERVAL_S = 5.0
 # Per-step columns for the table; the per-position lists stay in the store.
 TABLE_COLUMNS = [
-    "step", "position", "k_chosen", "k_drafted", "accepted", "emitted", "text",
+    "step", "position", "proposer", "k_chosen", "k_drafted", "accepted", "emitted", "text",
     "mean_entropy", "max_entropy", "mean_confidence", "min_confidence",
     "draft_ms", "verify_ms", "decide_ms", "context_len", "why",
 ]
@@ -46,6 +51,7 @@ class StepChart:
         (2, 1, "drafted", "k_drafted", "bar"),
         (2, 1, "accepted", "accepted", "bar"),
         (2, 2, "chosen γ", "k_chosen", "step"),
+        *((2, 2, f"γ by {p}", f"proposer:{p}", "mark") for p in PROPOSER_NAMES),
         (3, 1, "draft ms", "draft_ms", "stack"),
         (3, 1, "verify ms", "verify_ms", "stack"),
         (3, 1, "decide ms", "decide_ms", "stack"),
@@ -58,9 +64,13 @@ class StepChart:
             subplot_titles=("Draft entropy (bits)", "Draft confidence", "Accepted vs drafted", "Chosen γ",
                             "Step latency split (ms)", "Running tokens/s"),
         )
-        for row, col, name, _, kind in self.TRACES:
+        for row, col, name, field, kind in self.TRACES:
             if kind in ("bar", "stack"):
                 trace = go.Bar(name=name, x=[], y=[], offsetgroup="latency" if kind == "stack" else None)
+            elif kind == "mark":  # the γ line's points, one colour per proposer that drafted them
+                proposer = field.partition(":")[2]
+                trace = go.Scatter(name=name, x=[], y=[], mode="markers", showlegend=False,
+                                   marker=dict(size=8, symbol=PROPOSER_SYMBOLS.get(proposer, "circle")))
             else:
                 shape = "hv" if kind == "step" else "linear"
                 trace = go.Scatter(name=name, x=[], y=[], mode="lines+markers",
@@ -84,8 +94,8 @@ class StepChart:
             return
         rec = dict(rec, running_tps=self._tokens / (self._ms / 1e3) if self._ms else None)
         self.x.append(rec["step"])
-        for ys, (_, _, _, field, _) in zip(self.y, self.TRACES):
-            ys.append(rec[field])
+        for ys, (_, _, _, field, kind) in zip(self.y, self.TRACES):
+            ys.append(_marked(rec, field) if kind == "mark" else rec[field])
 
     def figure(self) -> go.Figure:
         with self.fig.batch_update():
@@ -93,6 +103,8 @@ class StepChart:
                 trace.x, trace.y = self.x, ys
         self.fig.update_layout(barmode="overlay")  # stacked within the latency group (base set below)
         for i, (_, _, _, field, kind) in enumerate(self.TRACES):
+            if kind == "mark":  # a proposer in the legend only once it has drafted
+                self.fig.data[i].showlegend = any(v is not None for v in self.y[i])
             if kind == "stack":  # each latency part starts where the parts before it end
                 below = [t for t, (_, _, _, _, k) in zip(self.y[:i], self.TRACES[:i]) if k == "stack"]
                 self.fig.data[i].base = [sum(v) for v in zip(*below)] if below else None
@@ -106,8 +118,19 @@ class StepChart:
         return chart.figure()
 
 
+def _marked(rec: dict, field: str) -> int | None:
+    """A "proposer:<name>" mark: the step's γ where that proposer drafted it, else a gap."""
+    return rec["k_chosen"] if rec.get("proposer") == field.partition(":")[2] else None
+
+
+def _policies() -> list[str]:
+    """The policy examples and their `@proposer` forms for the proposers of the last pair
+    loaded in this session (an EAGLE head shows up once a pair that has one was loaded)."""
+    return policy_options(POLICY_EXAMPLES, st.session_state.get(PROPOSERS_KEY))
+
+
 def _default_policy() -> int:
-    return POLICY_EXAMPLES.index(DEFAULT_POLICY)
+    return _policies().index(DEFAULT_POLICY)
 
 
 # -- inputs ----------------------------------------------------------------------------------------
@@ -116,10 +139,11 @@ def inputs() -> tuple[bool, dict]:
     with st.form("live_form", border=False):
         prompt = st.text_area("Prompt", value=DEFAULT_PROMPT, height=110, key="live_prompt")
         c1, c2, c3 = st.columns(3)
-        chosen = c1.selectbox("Policy", POLICY_EXAMPLES, index=_default_policy(), key="live_policy",
-                              help="γ controller; a typed spec on the right overrides it")
+        chosen = c1.selectbox("Policy", _policies(), index=_default_policy(), key="live_policy",
+                              help="γ controller; `@proposer` drafts with that proposer only (rakv and speckv "
+                                   "choose among all the pair has); a typed spec on the right overrides it")
         typed = c2.text_input("…or any policy spec", key="live_policy_spec",
-                              placeholder="e.g. fixed:6, threshold:0.3")
+                              placeholder="e.g. fixed:6, threshold:0.3, fixed:3@ngram:max=3,min=2")
         tier = c3.selectbox("Target tier", TIERS, key="live_tier",
                             help="Target weight tier. fp16 needs CUDA; int8/nf4 use bitsandbytes.")
         c1, c2, c3, c4 = st.columns(4)
@@ -165,6 +189,7 @@ def generate(inp: dict, out_ph, chart_ph, status_ph) -> dict | None:
     try:
         parse_policy(inp["policy"])  # fail fast on a bad spec, before loading any model
         pair = get_pair(s, inp["tier"])
+        st.session_state[PROPOSERS_KEY] = proposers_of(pair)
         with st.spinner("Reading the cost table and controller (measured once when missing)…"):
             ctx = context_for(s.db, pair, inp["policy"], kv_tier=inp["kv_tier"])  # speckv/rakv need them
         ids = encode_prompt(pair.tokenizer, inp["prompt"], chat=inp["chat"])
@@ -194,7 +219,8 @@ def _stream(gen: Generation, pair, inp: dict, prefix, out_ph, chart_ph, status_p
             chart.add(row)
             if t0 - last_text >= TEXT_INTERVAL_S:
                 out_ph.text(tok.decode(gen.token_ids, skip_special_tokens=True), width="stretch")
-                status_ph.caption(f"step {rec.step} · γ {rec.k_chosen} · {len(gen.token_ids)} tokens · {row['why']}")
+                status_ph.caption(f"step {rec.step} · {rec.proposer or 'plain'} γ {rec.k_chosen} · "
+                                  f"{len(gen.token_ids)} tokens · {row['why']}")
                 last_text = time.perf_counter()
             if t0 - last_chart >= CHART_INTERVAL_S:
                 n_charts += 1

@@ -1,2 +1,71 @@
 """The two oracles the step loop (engine/step.py) walks: proposers and verifiers backed by live
-models (model.py) or by stored acceptance traces (trace.py)."""
+models (model.py, eagle.py, ngram.py) or by stored acceptance traces (trace.py).
+
+`PROPOSERS` builds a run's proposers by name (docs/architecture.md, "Oracles"); each factory
+imports its class only when called, so that this package (which trace.py and replay import)
+stays free of torch."""
+from __future__ import annotations
+
+from typing import Callable
+
+from engine.records import PROPOSER_NAMES
+
+# factory(pair, prompt_ids, sampler, verifier, options as written in the policy spec) → Proposer
+Factory = Callable[[object, list[int], object, object, dict[str, str]], object]
+
+
+def _draft(pair, prompt_ids: list[int], sampler, verifier, options: dict[str, str]):
+    from engine.oracles.model import DraftModelProposer
+
+    return DraftModelProposer(pair, prompt_ids, sampler, lambda: verifier.hit)
+
+
+def _no_eagle(pair) -> str:
+    return (f"the pair has no EAGLE head ({pair.target_name} was loaded without one; "
+            "`python -m engine distill --kind eagle` makes one)")
+
+
+def _eagle(pair, prompt_ids: list[int], sampler, verifier, options: dict[str, str]):
+    if getattr(pair, "eagle", None) is None:
+        raise ValueError(_no_eagle(pair))
+    from engine.oracles.eagle import EagleProposer
+
+    return EagleProposer(pair, prompt_ids, sampler, verifier)
+
+
+def _ngram(pair, prompt_ids: list[int], sampler, verifier, options: dict[str, str]):
+    from engine.oracles.ngram import NgramProposer
+
+    return NgramProposer.from_options(prompt_ids, sampler, pair.vocab_size, options)
+
+
+PROPOSERS: dict[str, Factory] = {"draft": _draft, "eagle": _eagle, "ngram": _ngram}
+assert tuple(PROPOSERS) == PROPOSER_NAMES, "engine/records.py lists the proposers in this order"
+
+
+def available(pair) -> tuple[str, ...]:
+    """The proposers `pair` can run, in the canonical order: the draft model, its EAGLE head
+    when one is loaded, the n-gram lookup."""
+    return tuple(n for n in PROPOSERS if n != "eagle" or getattr(pair, "eagle", None) is not None)
+
+
+def check_proposers(pair, names: tuple[str, ...] | None) -> tuple[str, ...]:
+    """`names` (None: every one available) in the canonical order; ValueError in one line for
+    a proposer the pair cannot run."""
+    have = available(pair)
+    if names is None:
+        return have
+    missing = [n for n in names if n not in have]
+    if "eagle" in missing:
+        raise ValueError(_no_eagle(pair))
+    if missing:
+        raise ValueError(f"unknown proposer(s) {', '.join(missing)}; this pair has: {', '.join(have)}")
+    return tuple(n for n in PROPOSERS if n in names)
+
+
+def build(pair, prompt_ids: list[int], sampler, verifier, names: tuple[str, ...] | None,
+          options: dict[str, dict[str, str]] | None = None) -> dict:
+    """name → Proposer for a run: `names` (None: every one the pair has), canonical order."""
+    options = options or {}
+    return {n: PROPOSERS[n](pair, prompt_ids, sampler, verifier, options.get(n, {}))
+            for n in check_proposers(pair, names)}

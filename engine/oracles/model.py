@@ -9,12 +9,13 @@ import torch
 
 from engine import invariance
 from engine.forward import crop_to, forward_logits
+from engine.eagle import Rows
 from engine.kv.cache import new_cache
 from engine.kv.calibration import CodecKit
 from engine.kv.offload import Offloaded, SlowTier, Timing, drop, offload, restore
 from engine.models import ModelPair
 from engine.prefix_cache import Entry, Hit, PrefixCache, fill, kv_of
-from engine.records import DraftToken
+from engine.records import UNBOUNDED, DraftToken
 from engine.sampling import Sampler, draft_signals
 from engine.step import draft_tokens
 
@@ -38,6 +39,8 @@ class DraftModelProposer:
     drafts never pays the draft's prefill): the prompt alone first, as a trace reads it, then the
     tokens emitted since it last read, in one catch-up read."""
 
+    name = "draft"
+
     def __init__(self, pair: ModelPair, prompt_ids: list[int], sampler: Sampler,
                  hit: Callable[[], Hit] = lambda: Hit("off", 0)) -> None:
         self.pair, self.prompt_ids, self.sampler = pair, prompt_ids, sampler
@@ -58,6 +61,9 @@ class DraftModelProposer:
             return 0, warm
         reused = self._reusable()
         return (0, len(self.prompt_ids) - reused + warm) if reused else (len(self.prompt_ids), warm)
+
+    def lookahead(self) -> int:
+        return UNBOUNDED  # a model can always draft another token
 
     def _reusable(self) -> int:
         """Prompt positions the draft takes from the prefix cache. A draft that is not row-
@@ -134,6 +140,9 @@ class TargetVerifier:
         self.hit = Hit("off" if prefix is None else "miss", 0)
         self._prompt_logits: torch.Tensor | None = None  # [V], kept for the prefix cache
         self._offloaded: tuple | None = None  # (manifest, slow tier, codec kit) while the cache is away
+        # The target's final-norm states of the positions it read, for an EAGLE head (pair.feature_tap).
+        self.feats = Rows() if pair.feature_tap is not None else None
+        self.feature_start = 0  # the first position with a feature: those before came from the prefix cache
         self.restore_timing: Timing | None = None  # the last restore's, per window
 
     @property
@@ -151,11 +160,13 @@ class TargetVerifier:
         cache = new_cache(target, self.kv_tier)
         if self.hit.reused:
             fill(cache, self.hit.entry.kv, self.hit.reused)
+        self.feature_start = cache.get_seq_length()
         if self.hit.logits is not None:  # an exact repeat: nothing left to read
             logits = self.hit.logits[None]  # [1, V]
         else:
             with self.reads():
                 logits, cache = forward_logits(target, self.tokens[self.hit.reused:], cache, 1, self.pair.vocab_size)
+            self._keep_features()
         self.cache, self._prompt_logits = cache, logits[0]
         first, _ = self.sampler.choose(logits[0])
         return self._emit([first])[0]
@@ -202,6 +213,7 @@ class TargetVerifier:
         with invariance.verifying() if pair.exact_verify else contextlib.nullcontext(), self.reads():
             logits, self.cache = forward_logits(pair.target, [self.tokens[-1]] + draft, self.cache,
                                                 len(draft) + 1, pair.vocab_size)  # [k+1, V]
+        self._keep_features()
         p = torch.stack([d.p for d in drafted]) if drafted and not self.sampler.greedy else None  # [k, V]
         n, nxt = self.sampler.accept(draft, p, logits)
         return n, self._emit(draft[:n] + [nxt])
@@ -213,10 +225,23 @@ class TargetVerifier:
         self.tokens.extend(new)
         if self.cache is not None:
             crop_to(self.cache, len(self.tokens) - 1)  # drop what the target read past the accepted
+        if self.feats is not None:
+            self.feats.crop(min(self.feats.length, len(self.tokens) - 1 - self.feature_start))
         return new
+
+    def _keep_features(self) -> None:
+        if self.feats is not None:
+            self.feats.append(self.pair.feature_tap.last)  # [S, H] of the rows just read
+
+    def features(self) -> torch.Tensor:
+        """[T, H]: the target's final-norm state at positions feature_start … (those it has read)."""
+        assert self.feats is not None, "the pair keeps no features (no EAGLE head loaded)"
+        return self.feats.view()
 
     def rewind(self, length: int) -> None:
         """Back to the first `length` context tokens (cost measurement repeats one step)."""
         del self.tokens[length:]
         crop_to(self.cache, length - 1)
+        if self.feats is not None:
+            self.feats.crop(min(self.feats.length, max(0, length - 1 - self.feature_start)))
         self.ended = False

@@ -6,6 +6,8 @@ from engine.records import K_MAX, Action, DecodeState
 
 
 class FixedPolicy(BasePolicy):
+    proposers = ("draft",)  # `fixed:k@p` drafts with p instead
+
     def __init__(self, k: int, name: str | None = None) -> None:
         if not 0 <= k <= K_MAX:
             raise ValueError(f"fixed:k needs 0 ≤ k ≤ {K_MAX}, got {k}")
@@ -13,4 +15,4 @@ class FixedPolicy(BasePolicy):
         self.name = name or ("ar" if k == 0 else f"fixed:{k}")
 
     def choose(self, state: DecodeState) -> Action:
-        return Action(k=self.k)
+        return Action(k=self.k, proposer=self.drafter)

@@ -6,6 +6,8 @@ from engine.records import K_MAX, Action, DecodeState, StepRecord
 
 
 class HeuristicPolicy(BasePolicy):
+    proposers = ("draft",)  # its signals are the draft model's; `@p` drafts with p instead
+
     def __init__(self, k0: int = 4) -> None:
         if not 1 <= k0 <= K_MAX:
             raise ValueError(f"heuristic:k0 needs 1 ≤ k0 ≤ {K_MAX}, got {k0}")
@@ -17,7 +19,7 @@ class HeuristicPolicy(BasePolicy):
         self.k = self.k0
 
     def choose(self, state: DecodeState) -> Action:
-        return Action(k=self.k)
+        return Action(k=self.k, proposer=self.drafter)
 
     def observe(self, record: StepRecord) -> None:
         # The feedback sits beside the rule it feeds (as in transformers' candidate_generator):

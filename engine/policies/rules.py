@@ -12,13 +12,14 @@ K_SHORT, K_MID, K_LONG = 2, 4, 8
 
 class RulesPolicy(BasePolicy):
     name = "rules"
+    proposers = ("draft",)  # its signals are the draft model's; `@p` drafts with p instead
 
     def choose(self, state: DecodeState) -> Action:
         last = next((r for r in reversed(state.history) if r.k_drafted > 0), None)
         if last is None:
-            return Action(k=K_MID)
+            return Action(k=K_MID, proposer=self.drafter)
         if last.min_confidence < UNSURE_MIN_CONF or last.max_entropy > UNSURE_MAX_H:
-            return Action(k=K_SHORT)
+            return Action(k=K_SHORT, proposer=self.drafter)
         if last.mean_confidence > SURE_MEAN_CONF and last.mean_entropy < SURE_MEAN_H:
-            return Action(k=K_LONG)
-        return Action(k=K_MID)
+            return Action(k=K_LONG, proposer=self.drafter)
+        return Action(k=K_MID, proposer=self.drafter)

@@ -7,6 +7,8 @@ from engine.records import K_MAX, Action, DecodeState, DraftToken
 
 
 class ThresholdPolicy(BasePolicy):
+    proposers = ("draft",)  # its signals are the draft model's; `@p` drafts with p instead
+
     def __init__(self, c: float = 0.4) -> None:
         if not 0.0 <= c <= 1.0:
             raise ValueError(f"threshold:c needs 0 ≤ c ≤ 1, got {c}")
@@ -14,7 +16,7 @@ class ThresholdPolicy(BasePolicy):
         self.name = f"threshold:{c:g}"
 
     def choose(self, state: DecodeState) -> Action:
-        return Action(k=K_MAX)
+        return Action(k=K_MAX, proposer=self.drafter)
 
     def keep_drafting(self, state: DecodeState, j: int, token: DraftToken) -> bool:
         # The unsure token itself is kept (as HF does): it still has a chance to be accepted.
