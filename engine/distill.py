@@ -20,7 +20,7 @@ import signal
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Iterator
+from typing import Callable, Iterator
 
 import torch
 from safetensors.torch import load_file, save_file
@@ -320,6 +320,50 @@ class Checkpoint:
         return meta["step"], meta["log"], meta["config"]
 
 
+def optimize(model, opt: torch.optim.Optimizer, cfg, ckpt: "Checkpoint", step: int, log: list[dict],
+             loss_at: Callable[[int], tuple[torch.Tensor, dict]],
+             evaluate: Callable[[], tuple[str, object, str]] | None, progress, desc: str,
+             postfix: Callable[[dict], dict], say=print) -> int:
+    """The optimizer loop every distillation shares, from `step` to cfg.steps: warm-up + cosine
+    learning rate (`lr_at`), clipped steps, `evaluate()` → (log key, value, message) every
+    cfg.eval_every steps and at the end, a checkpoint every cfg.ckpt_every. Ctrl-C finishes the
+    step, saves and raises KeyboardInterrupt. Returns the last step."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    stop = {"now": False}
+    previous = signal.signal(signal.SIGINT, lambda *_: stop.update(now=True))  # finish the step, then save
+    model.train()
+    try:
+        bar = progress(total=cfg.steps, initial=step, desc=desc, unit="step")
+        while step < cfg.steps and not stop["now"]:
+            for g in opt.param_groups:
+                g["lr"] = lr_at(step, cfg)
+            loss, stats = loss_at(step)
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(params, 1.0)
+            opt.step()
+            step += 1
+            log.append(dict(step=step, loss=loss.item(), **stats, t=time.time()))
+            bar.update(1)
+            bar.set_postfix(**postfix(log[-1]))
+            if evaluate is not None and (step % cfg.eval_every == 0 or step == cfg.steps):
+                model.eval()
+                key, value, message = evaluate()
+                log[-1][key] = value
+                model.train()
+                say(message.format(step=step))
+            if step % cfg.ckpt_every == 0 or step == cfg.steps or stop["now"]:
+                ckpt.save(model, opt, step, log, cfg)
+        bar.close()
+    finally:
+        signal.signal(signal.SIGINT, previous)
+        model.eval()
+    if stop["now"]:
+        ckpt.save(model, opt, step, log, cfg)
+        raise KeyboardInterrupt(f"stopped at step {step}; checkpoint kept in {cfg.work}")
+    return step
+
+
 def train(cfg: DistillConfig, draft, data: Path, progress, say=print) -> dict:
     """Trains `draft` in place; resumes from work/ckpt.*; Ctrl-C saves and stops cleanly."""
     torch.manual_seed(cfg.seed)
@@ -337,38 +381,14 @@ def train(cfg: DistillConfig, draft, data: Path, progress, say=print) -> dict:
             raise ValueError(f"checkpoint in {cfg.work} is for layers {old.get('layers')}, not {cfg.layers}")
         say(f"resuming at step {step}/{cfg.steps}")
     schedule = itertools.islice(_schedule(examples, cfg), step, None)  # a resumed run skips what it did
-    stop = {"now": False}
-    previous = signal.signal(signal.SIGINT, lambda *_: stop.update(now=True))  # finish the step, then save
-    draft.train()
-    try:
-        bar = progress(total=cfg.steps, initial=step, desc="distill train", unit="step")
-        while step < cfg.steps and not stop["now"]:
-            b = next(schedule)
-            for g in opt.param_groups:
-                g["lr"] = lr_at(step, cfg)
-            loss, stats = step_loss(draft, [examples[j] for j in b], cfg)
-            opt.zero_grad(set_to_none=True)
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(params, 1.0)
-            opt.step()
-            step += 1
-            log.append(dict(step=step, loss=loss.item(), **stats, t=time.time()))
-            bar.update(1)
-            bar.set_postfix(loss=f"{log[-1]['loss']:.3f}", agree=f"{stats['agree']:.3f}")
-            if held and (step % cfg.eval_every == 0 or step == cfg.steps):
-                draft.eval()
-                log[-1]["heldout_agreement"] = agreement(draft, held)
-                draft.train()
-                say(f"step {step}: held-out agreement {log[-1]['heldout_agreement']:.3f}")
-            if step % cfg.ckpt_every == 0 or step == cfg.steps or stop["now"]:
-                ckpt.save(draft, opt, step, log, cfg)
-        bar.close()
-    finally:
-        signal.signal(signal.SIGINT, previous)
-        draft.eval()
-    if stop["now"]:
-        ckpt.save(draft, opt, step, log, cfg)
-        raise KeyboardInterrupt(f"stopped at step {step}; checkpoint kept in {cfg.work}")
+
+    def held_out() -> tuple[str, object, str]:
+        value = agreement(draft, held)
+        return "heldout_agreement", value, f"step {{step}}: held-out agreement {value:.3f}"
+
+    step = optimize(draft, opt, cfg, ckpt, step, log, lambda s: step_loss(draft, [examples[j] for j in next(schedule)], cfg),
+                    held_out if held else None, progress, "distill train",
+                    lambda rec: dict(loss=f"{rec['loss']:.3f}", agree=f"{rec['agree']:.3f}"), say)
     final = log[-1].get("heldout_agreement") if log else None  # measured at the last step
     if final is None and held:
         final = agreement(draft, held)

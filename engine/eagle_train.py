@@ -15,11 +15,8 @@ Stages (each resumable; a rerun skips what is done):
 from __future__ import annotations
 
 import itertools
-import json
 import math
 import random
-import signal
-import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -30,7 +27,7 @@ from safetensors.torch import load_file, save_file
 from engine import draft as draftlib
 from engine import eagle as eaglelib
 from engine import prompts as promptlib
-from engine.distill import Checkpoint, lr_at, respond
+from engine.distill import Checkpoint, optimize, respond
 from engine.generation import encode_messages
 
 
@@ -270,36 +267,14 @@ def train(cfg: EagleDistillConfig, head, seqs, held, progress, say=print) -> dic
         say(f"resuming at step {step}/{cfg.steps}")
     rng = random.Random(cfg.seed)
     order = [rng.sample(range(len(seqs)), cfg.batch_seqs) for _ in range(cfg.steps)]  # fixed: a resume sees the same
-    stop = {"now": False}
-    previous = signal.signal(signal.SIGINT, lambda *_: stop.update(now=True))
-    head.train()
-    try:
-        bar = progress(total=cfg.steps, initial=step, desc="eagle train", unit="step")
-        while step < cfg.steps and not stop["now"]:
-            for grp in opt.param_groups:
-                grp["lr"] = lr_at(step, cfg)
-            loss, stats = step_loss(head, _batch(seqs, order[step]), cfg)
-            opt.zero_grad(set_to_none=True)
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(params, 1.0)
-            opt.step()
-            step += 1
-            log.append(dict(step=step, loss=loss.item(), **stats, t=time.time()))
-            bar.update(1)
-            bar.set_postfix(acc1=f"{stats['acc1']:.3f}", acc2=f"{stats.get('acc2', 0):.3f}")
-            if held and (step % cfg.eval_every == 0 or step == cfg.steps):
-                head.eval()
-                log[-1]["heldout"] = evaluate(head, held, cfg)
-                head.train()
-                say(f"step {step}: held-out acc1 {log[-1]['heldout']['acc1']:.3f} acc2 {log[-1]['heldout'].get('acc2', 0):.3f}")
-            if step % cfg.ckpt_every == 0 or step == cfg.steps or stop["now"]:
-                ckpt.save(head, opt, step, log, cfg)
-        bar.close()
-    finally:
-        signal.signal(signal.SIGINT, previous)
-        head.eval()
-    if stop["now"]:
-        raise KeyboardInterrupt(f"stopped at step {step}; checkpoint kept in {cfg.work}")
+
+    def held_out() -> tuple[str, object, str]:
+        value = evaluate(head, held, cfg)
+        return "heldout", value, f"step {{step}}: held-out acc1 {value['acc1']:.3f} acc2 {value.get('acc2', 0):.3f}"
+
+    step = optimize(head, opt, cfg, ckpt, step, log, lambda s: step_loss(head, _batch(seqs, order[s]), cfg),
+                    held_out if held else None, progress, "eagle train",
+                    lambda rec: dict(acc1=f"{rec['acc1']:.3f}", acc2=f"{rec.get('acc2', 0):.3f}"), say)
     final = log[-1].get("heldout") if log else None
     return dict(steps=step, heldout=final if final is not None else (evaluate(head, held, cfg) if held else None))
 
