@@ -5,7 +5,8 @@
 Both decode the same prompt with the same policy, tier and length on the same models; the page's
 figure is the engine's tokens/s while it streams into the browser (the redraws run in this
 machine's Chromium and Streamlit server, so they compete with torch exactly as a user's would).
-The CLI runs first, on the same database, so a cost table it measures is the page's too.
+The CLI runs first, on the same database, so a cost table it measures is the page's too; then
+CLI and page runs alternate and their medians are compared.
 
 Run: python bench/browser.py [--json] [--policy P] [--max-new-tokens N]
      or python -m engine bench browser
@@ -17,6 +18,7 @@ import contextlib
 import json
 import os
 import socket
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -99,6 +101,11 @@ def chromium_page(viewport: tuple[int, int] = (1400, 2400)) -> Iterator[object]:
             browser.close()
 
 
+# Playwright polls a wait_for_function on every animation frame unless told otherwise: 60 queries a
+# second in the page, CPU a user's browser never spends, taken from torch on a small machine.
+POLL_MS = 250
+
+
 def metrics(page) -> dict[str, str]:
     """The page's st.metric tiles, label → value."""
     out = {}
@@ -112,31 +119,39 @@ def wait_idle(page, timeout_s: float) -> None:
     """Until the script run ends (Streamlit's status widget goes away)."""
     page.wait_for_timeout(300)
     page.wait_for_function(
-        "() => !document.querySelector('[data-testid=\"stStatusWidget\"]')", timeout=timeout_s * 1e3)
+        "() => !document.querySelector('[data-testid=\"stStatusWidget\"]')", timeout=timeout_s * 1e3, polling=POLL_MS)
 
 
-def live_decode(page, url: str, prompt: str, policy: str, max_new: int, timeout_s: float = 600,
-                runs: int = 2) -> dict[str, str]:
-    """Drive the Live decode page `runs` times and return the metrics of its fastest run: the
-    same count and the same rule as the CLI peer's (`run`), so neither side gets more tries. The
-    first run also loads the pair (and measures costs, when missing); neither is in tokens/s."""
+def open_live(page, url: str, prompt: str, policy: str, max_new: int, timeout_s: float = 600) -> None:
+    """The Live decode page with the prompt, policy and length filled in (kept for later presses)."""
     page.goto(url, wait_until="networkidle")
     page.get_by_role("heading", name="Live decode").wait_for(timeout=timeout_s * 1e3)
     page.get_by_label("…or any policy spec").fill(policy)
     page.get_by_label("Max new tokens").fill(str(max_new))
     page.get_by_label("Prompt").fill(prompt)
-    shown = []
-    for _ in range(runs):
-        page.get_by_role("button", name="Generate").click()
-        page.locator('[data-testid="stMetric"]').first.wait_for(timeout=timeout_s * 1e3)
-        wait_idle(page, timeout_s)
-        shown.append(metrics(page))
-    return max(shown, key=lambda m: float(m["Tokens/s"]))
+
+
+# The page's "Stored as run <id> …" line (or its staged/not-stored warning): it names each run, so a
+# new one tells that this press's generation has ended, whenever Streamlit's status widget shows.
+STORED_LINE = """() => [...document.querySelectorAll('[data-testid^="stAlertContent"]')]
+    .map(e => e.innerText).find(t => /stored|staged/i.test(t)) || ''"""
+
+
+def press_generate(page, timeout_s: float = 600) -> dict[str, str]:
+    """One generation on the open Live decode page; its metric tiles once that run has ended and
+    been stored. Waiting for the status widget alone could return the previous run's tiles: the
+    widget can appear after a fixed wait has passed."""
+    before = page.evaluate(STORED_LINE)
+    page.get_by_role("button", name="Generate").click()
+    page.wait_for_function(f"(before) => {{ const t = ({STORED_LINE})(); return t && t !== before; }}",
+                           arg=before, timeout=timeout_s * 1e3, polling=POLL_MS)
+    wait_idle(page, timeout_s)
+    return metrics(page)
 
 
 def cli_generate(env: dict[str, str], prompt: str, policy: str, max_new: int) -> dict:
-    """The peer: `python -m engine generate --json`, run twice in one process is not possible from
-    the CLI, so its own figure (decode only, after loading) is the comparison."""
+    """The peer: `python -m engine generate --json` in a fresh process; its own figure (decode
+    only, after loading) is the comparison."""
     cmd = [sys.executable, "-m", "engine", "generate", "--prompt", prompt, "--chat", "--policy", policy,
            "--max-new-tokens", str(max_new), "--json"]
     out = subprocess.run(cmd, cwd=ROOT, env={**os.environ, **env}, capture_output=True, text=True, timeout=900)
@@ -145,25 +160,51 @@ def cli_generate(env: dict[str, str], prompt: str, policy: str, max_new: int) ->
     return json.loads(out.stdout)
 
 
-def run(prompt: str = DEFAULT_PROMPT, policy: str = "", max_new: int = 64, db: str | None = None,
-        env: dict[str, str] | None = None, shots: Path | None = None) -> dict:
-    """Both measurements on one database (a temporary one unless given). policy '' = the page's
+def paired(page, url: str, env: dict[str, str], prompt: str, policy: str, max_new: int, rounds: int = 5) -> dict:
+    """Browser against CLI on the same generation, in `rounds` alternating pairs (a CLI run, then a
+    page run) after one warm-up of each, compared by their medians. Alternating puts both sides
+    under the same drift of this machine's speed; back-to-back blocks did not (on 2 cores one pair
+    varies by ±15%). The warm-ups are not counted: the CLI's first run measures the cost table the
+    page then shares, the page's first run loads the pair into the app."""
+    assert rounds >= 1
+    cli_generate(env, prompt, policy, max_new)
+    open_live(page, url, prompt, policy, max_new)
+    press_generate(page)
+    cli, shown = [], []
+    for _ in range(rounds):
+        cli.append(cli_generate(env, prompt, policy, max_new))
+        shown.append(press_generate(page))
+    cli_tps = statistics.median(c["tokens_per_s"] for c in cli)
+    page_tps = statistics.median(float(m["Tokens/s"]) for m in shown)
+    return dict(policy=policy, max_new_tokens=max_new, rounds=rounds, cli_tokens_per_s=cli_tps,
+                browser_tokens_per_s=page_tps, ratio=page_tps / cli_tps,
+                pairs=[(c["tokens_per_s"], float(m["Tokens/s"])) for c, m in zip(cli, shown)],
+                cli_n_tokens=cli[-1]["n_tokens"], cli_tokens_per_step=cli[-1]["tokens_per_step"],
+                cli_acceptance=cli[-1]["acceptance_rate"], browser_metrics=shown[-1])
+
+
+def report(r: dict) -> str:
+    """The one-line summary both the bench and the browser test print."""
+    pairs = ", ".join(f"{c:.1f}/{b:.1f}" for c, b in r["pairs"])
+    return (f"live decode, {r['policy']}, {r['max_new_tokens']} tokens, median of {r['rounds']} alternating runs: "
+            f"CLI {r['cli_tokens_per_s']:.1f} tok/s, browser {r['browser_tokens_per_s']:.1f} tok/s "
+            f"→ {r['ratio']:.2f}× the CLI (CLI/browser per pair: {pairs})")
+
+
+def run(prompt: str = DEFAULT_PROMPT, policy: str = "", max_new: int = 64, rounds: int = 5,
+        db: str | None = None, env: dict[str, str] | None = None, shots: Path | None = None) -> dict:
+    """`paired` on a fresh app and database (a temporary one unless given). policy '' = the page's
     default policy, whichever it is (the one a newcomer meets)."""
     if (why := browser_missing()):
         raise RuntimeError(why)
     with tempfile.TemporaryDirectory() as tmp:
         env = dict(env or {}, SPECLAB_DB=db or str(Path(tmp) / "bench.duckdb"), HF_HUB_OFFLINE="1")
         policy = policy or default_policy()
-        cli = [cli_generate(env, prompt, policy, max_new) for _ in range(2)]  # the first measures costs
         with app_server(env) as url, chromium_page() as page:
-            shown = live_decode(page, url, prompt, policy, max_new)
+            r = paired(page, url, env, prompt, policy, max_new, rounds)
             if shots:
                 page.screenshot(path=str(shots / "live.png"), full_page=True)
-    cli_tps = max(c["tokens_per_s"] for c in cli)
-    page_tps = float(shown["Tokens/s"])
-    return dict(policy=policy, max_new_tokens=max_new, cli_tokens_per_s=cli_tps, browser_tokens_per_s=page_tps,
-                ratio=page_tps / cli_tps, cli_n_tokens=cli[-1]["n_tokens"], cli_acceptance=cli[-1]["acceptance_rate"],
-                browser_metrics=shown)
+    return r
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -171,15 +212,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--prompt", default=DEFAULT_PROMPT)
     ap.add_argument("--policy", default="", help="default: the Live decode page's default policy")
     ap.add_argument("--max-new-tokens", type=int, default=64)
+    ap.add_argument("--rounds", type=int, default=5, help="alternating CLI/page pairs, compared by medians")
     ap.add_argument("--json", action="store_true")
     a = ap.parse_args(argv)
-    r = run(a.prompt, a.policy, a.max_new_tokens)
-    if a.json:
-        print(json.dumps(r))
-    else:
-        print(f"live decode, {r['policy']}, {r['max_new_tokens']} tokens: CLI {r['cli_tokens_per_s']:.1f} tok/s, "
-              f"browser {r['browser_tokens_per_s']:.1f} tok/s → {r['ratio']:.2f}× the CLI "
-              f"(acceptance {r['browser_metrics'].get('Acceptance rate', '—')})")
+    if a.rounds < 1:
+        raise SystemExit("error: --rounds must be at least 1")
+    r = run(a.prompt, a.policy, a.max_new_tokens, a.rounds)
+    print(json.dumps(r) if a.json else report(r))
     return 0
 
 

@@ -605,7 +605,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--hf-assisted", default=",".join(HF_ASSISTED), help=f"HF assisted settings: {HF_ASSISTED_KNOWN}")
     p.add_argument("--hf-lookup", default="4", help="HF prompt_lookup_num_tokens values ('' for none)")
     p.add_argument("--cost-buckets", default="64", help="contexts the cost table is measured at")
-    p.add_argument("--cost-reps", type=int, default=3, help="timed repetitions per cost point (after 3 warm-up rounds)")
+    p.add_argument("--cost-reps", type=int, default=3, help="timed repetitions per cost point (after the warm-up rounds)")
     p.add_argument("--calibrate-tokens", type=int, default=24, help="length of the calibration runs (0: none)")
     p.add_argument("--agreement-per-task", type=int, default=None,
                    help="held-out prompts per task for the draft's agreement (default: the timed ones; 10: all)")

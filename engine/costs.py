@@ -15,8 +15,8 @@ from typing import Iterable
 from engine.records import K_MAX
 
 CONTEXT_BUCKETS = (64, 256, 512)  # context lengths measured; a step uses the nearest one below
-REPS = 12  # timed forwards per point: enough for a steady median
-WARMUP = 3  # forwards discarded before timing: first calls allocate and pick kernels
+REPS = 9  # timed forwards per point, in turns with every other point: enough for a steady median
+WARMUP = 2  # rounds discarded before timing: first calls allocate and pick kernels
 CALIBRATE_MIN = 12  # live steps of one draft length before their median ratio is trusted
 
 

@@ -190,14 +190,17 @@ class _Driven:
     prompt: the cold catch-up) and keeps the context within the bucket."""
 
     def __init__(self, pair: ModelPair, name: str, ids: list[int], sampler: Sampler, kv_tier: str) -> None:
-        self.pair, self.name, self.ids, self.sampler, self.kv_tier = pair, name, ids, sampler, kv_tier
+        self.pair, self.name, self.ids, self.sampler = pair, name, ids, sampler
+        self.verifier = TargetVerifier(pair, ids, sampler, kv_tier=kv_tier)
+        self.first = self.verifier.prefill()
         self._start()
 
     def _start(self) -> None:
-        self.verifier = TargetVerifier(self.pair, self.ids, self.sampler, kv_tier=self.kv_tier)
-        first = self.verifier.prefill()
+        # The prefill is done once: rewinding to it (cache and features cropped) is the state a
+        # fresh prefill leaves, without paying a prompt read per timed round.
+        self.verifier.rewind(len(self.ids) + 1)
         self.proposer = PROPOSERS[self.name](self.pair, self.ids, self.sampler, self.verifier, {})
-        self.proposer.update(0, [first])
+        self.proposer.update(0, [self.first])
         self.drafted: list[DraftToken] = []
 
     def propose(self) -> None:

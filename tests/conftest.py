@@ -30,4 +30,23 @@ def tiny_pair(tiny_dirs):
     return load_pair(str(target), str(draft), target_tier="fp32", device="cpu")
 
 
+@pytest.fixture(scope="module")
+def eagle_pair(tiny_pair):
+    """The tiny pair with a random EAGLE head over half the vocabulary. Per module: its feature
+    tap hooks the shared tiny target and is removed when the module ends."""
+    import dataclasses
+
+    import torch
+
+    from engine import eagle as eaglelib
+
+    target = tiny_pair.target
+    emb = target.get_input_embeddings().weight.detach().float()
+    torch.manual_seed(0)
+    head = eaglelib.build_head(target, emb, torch.arange(0, emb.shape[0], 2))
+    tap = eaglelib.FeatureTap(target)
+    yield dataclasses.replace(tiny_pair, eagle=head.eval(), feature_tap=tap, eagle_name="tiny eagle")
+    tap.close()
+
+
 from apptest import app_env  # noqa: E402,F401 - the workbench's AppTest fixture

@@ -16,7 +16,11 @@ ROOT = Path(__file__).resolve().parents[1]
 
 SHOTS = ROOT / "docs" / "screenshots"
 TIMEOUT_MS = 600_000
-FLOOR = 0.6  # browser / CLI tokens/s below which the page, not the machine, is at fault
+# Browser / CLI tokens/s (medians of alternating runs) below which the page, not the machine, is at
+# fault. The issue's bar is 0.8; `bench browser` prints the figure (0.80 and 0.88 in the last two runs
+# here, the machine's own speed moving by a quarter between runs), so the test asserts the floor that
+# catches the kind of bug the page had (Streamlit's file watcher: 0.23; a racy press: 0.28).
+FLOOR = 0.6
 
 pytestmark = pytest.mark.slow
 
@@ -54,33 +58,20 @@ def _no_error(page) -> None:
 SAME = "fixed:4"
 
 
-def _ratio(page, url: str, env: dict) -> tuple[float, dict, float]:
-    """(browser / CLI tokens/s, the page's metrics, the CLI's tokens/s): two runs each side, the
-    faster of each kept, back to back on the same generation."""
-    cli = [B.cli_generate(env, B.DEFAULT_PROMPT, SAME, 64) for _ in range(2)]
-    shown = B.live_decode(page, url, B.DEFAULT_PROMPT, SAME, 64)
-    assert float(shown["Tokens/step"]) == round(cli[-1]["tokens_per_step"], 2), (shown, cli[-1]["tokens_per_step"])
-    cli_tps = max(c["tokens_per_s"] for c in cli)
-    return float(shown["Tokens/s"]) / cli_tps, shown, cli_tps
-
-
 def test_live_decode_in_the_browser_keeps_up_with_the_cli(session):
     page, url, env = session
-    # Same generation, same machine, measured back to back: the page must not make the engine
-    # look slower than it is. The issue's bar is 0.8 of the CLI; on these 2 cores the ratio
-    # measured 0.70–0.99 over seven runs (issue 14's note), so the test asserts the floor that
-    # catches the kind of bug it had (Streamlit's file watcher: 0.23) and prints the figure.
-    for attempt in range(2):
-        ratio, shown, cli_tps = _ratio(page, url, env)
-        print(f"\nlive decode {SAME}: browser {shown['Tokens/s']} tok/s, CLI {cli_tps:.1f} → {ratio:.2f}×")
-        if ratio >= 0.8:
-            break
+    # Same generation, same machine, CLI and page runs alternating: the page must not make the
+    # engine look slower than it is.
+    r = B.paired(page, url, env, B.DEFAULT_PROMPT, SAME, 64)
+    print("\n" + B.report(r))
+    shown = r["browser_metrics"]
+    assert float(shown["Tokens/step"]) == round(r["cli_tokens_per_step"], 2), (shown, r["cli_tokens_per_step"])
     _no_error(page)
     page.locator('[data-testid="stPlotlyChart"]').first.wait_for(timeout=TIMEOUT_MS)  # the step charts
     page.locator('[data-testid="stDataFrame"]').first.wait_for(timeout=TIMEOUT_MS)  # the step table
     page.wait_for_timeout(2000)  # plotly draws after the element appears
     page.screenshot(path=str(SHOTS / "live.png"), full_page=True)
-    assert ratio >= FLOOR, (shown, cli_tps)
+    assert r["ratio"] >= FLOOR, r
     assert shown["Stop reason"] in {"eos", "max_new_tokens"}
 
 

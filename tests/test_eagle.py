@@ -1,6 +1,5 @@
 """The EAGLE head and its proposer on tiny random models: exact output, the head's cache against
 a full read, storage, and training."""
-import dataclasses
 
 import pytest
 import torch
@@ -16,17 +15,6 @@ from engine.oracles.model import TargetVerifier
 from engine.sampling import Sampler
 
 PROMPTS = ["Hello there", "def f(x): return", "2+2=", "Tell me a story about a cat."]
-
-
-@pytest.fixture(scope="module")
-def eagle_pair(tiny_pair):
-    target = tiny_pair.target
-    emb = target.get_input_embeddings().weight.detach().float()
-    torch.manual_seed(0)
-    head = eaglelib.build_head(target, emb, torch.arange(0, emb.shape[0], 2))  # half the vocabulary
-    tap = eaglelib.FeatureTap(target)
-    yield dataclasses.replace(tiny_pair, eagle=head.eval(), feature_tap=tap, eagle_name="tiny eagle")
-    tap.close()
 
 
 def _hf_greedy(pair, ids, n):

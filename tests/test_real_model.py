@@ -17,7 +17,13 @@ from engine.prompts import bench_prompts
 from engine.generation import Generation, GenConfig, encode_prompt
 from tiny import synthetic_context
 
-MAX_NEW = 40
+MAX_NEW = 32
+KV_NEW = 40  # the KV-tier check's length: its counts of prompts that leave native's output were measured over 40
+# Every policy, and each proposer drafting alone (rakv and speckv choose among them all).
+POLICIES = POLICY_EXAMPLES + ["fixed:4@eagle", "fixed:4@ngram"]
+# Reuse lives in the verifier's and each proposer's caches: every proposer, the policies that
+# choose among them, and the policies that decide about reuse itself.
+REUSE_POLICIES = ["ar", "fixed:4", "fixed:4@eagle", "fixed:4@ngram", "rakv", "speckv", "reuse-only", "joint:4"]
 NEAR_TIE = 1e-4  # top-2 logit margin under which fp rounding may pick either token
 PROMPTS = bench_prompts(1)  # one each of code, math, chat, summarization
 
@@ -47,7 +53,7 @@ def _margin(pair, ids, prefix):
 def test_greedy_equals_hf_generate_for_every_policy(pair, task, prompt):
     ids = encode_prompt(pair.tokenizer, prompt, chat=True)
     ref = _hf_greedy(pair, ids, MAX_NEW)
-    for policy in POLICY_EXAMPLES:
+    for policy in POLICIES:
         out = Generation(pair, ids, make_policy(policy, synthetic_context()), GenConfig(max_new_tokens=MAX_NEW)).run().token_ids
         i = divergence.first_difference(ref, out)
         if i is None:
@@ -60,8 +66,9 @@ def test_greedy_equals_hf_generate_for_every_policy(pair, task, prompt):
 def test_prefix_reuse_keeps_greedy_output_for_every_policy(pair):
     """A shared system prompt, then: a miss, an exact repeat, a partial hit (another question
     after the same system prompt), and a turn that re-sends the conversation. Output with reuse
-    equals output without it, token for token, for every policy (the live run's draft state is
-    also what a trace would have: replay stays exact)."""
+    equals output without it, token for token, for every proposer and the policies that choose
+    among them or decide about reuse (the live run's draft state is also what a trace would have:
+    replay stays exact)."""
     from engine.generation import encode_messages
     from engine.prefix_cache import PrefixCache
 
@@ -75,7 +82,7 @@ def test_prefix_reuse_keeps_greedy_output_for_every_policy(pair):
     cfg = GenConfig(max_new_tokens=24)
     plain = [Generation(pair, ids, make_policy("ar"), GenConfig(max_new_tokens=24, reuse=False)).run().token_ids
              for ids in requests]
-    for policy in POLICY_EXAMPLES:
+    for policy in REUSE_POLICIES:
         cache = PrefixCache()
         runs = [Generation(pair, ids, make_policy(policy, synthetic_context()), cfg, prefix=cache).run() for ids in requests]
         assert [r.token_ids for r in runs] == plain, (pair.target_tier, policy, [r.summary.prefix_hit for r in runs])
@@ -174,13 +181,13 @@ def test_greedy_at_a_kv_tier_equals_plain_decoding_at_that_tier(pair, kv_tier):
     differs = []
     for task, prompt in PROMPTS:
         ids = encode_prompt(pair.tokenizer, prompt, chat=True)
-        plain = Generation(pair, ids, make_policy("ar"), GenConfig(max_new_tokens=MAX_NEW, kv_tier=kv_tier)).run()
+        plain = Generation(pair, ids, make_policy("ar"), GenConfig(max_new_tokens=KV_NEW, kv_tier=kv_tier)).run()
         for policy in ("fixed:4", "heuristic", "rakv"):
             g = Generation(pair, ids, make_policy(policy, synthetic_context()),
-                           GenConfig(max_new_tokens=MAX_NEW, kv_tier=kv_tier)).run()
+                           GenConfig(max_new_tokens=KV_NEW, kv_tier=kv_tier)).run()
             assert g.token_ids == plain.token_ids, (kv_tier, policy, task, divergence.first_difference(plain.token_ids, g.token_ids))
         with invariance.row_invariant_reads():
-            native = Generation(pair, ids, make_policy("ar"), GenConfig(max_new_tokens=MAX_NEW)).run()
+            native = Generation(pair, ids, make_policy("ar"), GenConfig(max_new_tokens=KV_NEW)).run()
         differs.append(native.token_ids != plain.token_ids)
         assert plain.kv_bytes_per_token == {"fp8": 2 * 30 * 3 * 65, "int8": 2 * 30 * 3 * 66}[kv_tier]
     # Measured over the first 40 tokens: fp8 leaves native on all four prompts, int8 on one (code).
