@@ -212,7 +212,9 @@ def test_speculative_sampling_matches_target_marginals(request, proposer):
     for seed in range(N):
         g = _gen(pair, ids, SPECS[proposer], max_new_tokens=3, temperature=T, top_p=top_p, seed=seed)
         seconds.append(g.token_ids[1])
-        assert g.records[1].k_drafted <= 1  # one slot must stay free for the verify token
+        # One slot must stay free for the verify token; a model proposer always drafts it, the
+        # n-gram proposer only where it finds a match.
+        assert g.records[1].k_drafted == 1 or (proposer == "ngram" and g.records[1].k_drafted == 0)
         drafted += g.records[1].k_drafted
     assert drafted > N // 2, drafted  # the law is tested on drafted steps, not on plain ones
     assert _chi2_pvalue(seconds, marginal2) > 1e-3
