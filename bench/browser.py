@@ -29,7 +29,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from engine.prompts import WORKBENCH_PROMPT as DEFAULT_PROMPT  # noqa: E402 - the page's default prompt
+from engine.datasets.prompts import WORKBENCH_PROMPT as DEFAULT_PROMPT  # noqa: E402 - the page's default prompt
 CHROMIUM = os.environ.get("SPECLAB_CHROMIUM", "/usr/bin/chromium")
 CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking"]
 
@@ -47,7 +47,7 @@ def browser_missing() -> str | None:
 
 def default_policy() -> str:
     """The policy a newcomer meets on the Live decode page."""
-    from engine.policies import DEFAULT_POLICY
+    from engine.decode.policies import DEFAULT_POLICY
 
     return DEFAULT_POLICY
 

@@ -26,7 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import numpy as np  # noqa: E402
 
-VERIFY = ("auto", "exact", "fast")  # engine.args.VERIFY_MODES (imported there with torch)
+VERIFY = ("auto", "exact", "fast")  # engine.service.options.VERIFY_MODES (imported there with torch)
 
 PAPER_DECISION_MS = 0.336
 CALIBRATION_POLICIES = ("ar", "fixed:1", "fixed:2", "fixed:4")
@@ -36,12 +36,12 @@ SPECKV_CSV = Path(__file__).resolve().parents[1] / "engine" / "data" / "speckv-p
 def decision(csv: Path, n: int = 5000) -> dict:
     from sklearn.neural_network import MLPRegressor
 
-    from engine.common import median_ms
-    from engine.importers.speckv import import_speckv
-    from engine.policies.speckv import SpeckvPolicy
-    from engine.predictor import PAPER_CANDIDATES, feature_rows, tokens_from_rate
-    from engine.records import DecodeState
-    from engine.retrain import fit_mlp, from_speckv_steps
+    from engine.base.helpers import median_ms
+    from engine.datasets.speckv import import_speckv
+    from engine.decode.policies.speckv import SpeckvPolicy
+    from engine.decode.acceptance import PAPER_CANDIDATES, feature_rows, tokens_from_rate
+    from engine.decode.records import DecodeState
+    from engine.training.retrain import fit_mlp, from_speckv_steps
     from store import Store
 
     with Store(":memory:") as st:
@@ -79,10 +79,10 @@ def split_heldout(prompts: list[tuple[str, str]], n_train: int, n_eval: int) -> 
 
 
 def live(a: argparse.Namespace) -> dict:
-    from engine import prompts as P
-    from engine.args import VERIFY_MODES
-    from engine.models import load_pair
-    from engine.profiling import Job, run_job
+    from engine.datasets import prompts as P
+    from engine.service.options import VERIFY_MODES
+    from engine.runtime.models import load_pair
+    from engine.lab.profiling import Job, run_job
     from engine.service import calibrate_costs, cost_key, cost_table, policy_context, retrain, sweep_table, trace_prompts
     from store import Store
 

@@ -17,12 +17,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
-from engine.args import add_model_args  # noqa: E402
-from engine.models import ModelPair, load_pair  # noqa: E402
-from engine.policies import make_policy  # noqa: E402
-from engine.prompts import bench_prompts  # noqa: E402
-from engine.forward import sync_device  # noqa: E402
-from engine.generation import Generation, GenConfig, encode_prompt  # noqa: E402
+from engine.service.options import add_model_args  # noqa: E402
+from engine.runtime.models import ModelPair, load_pair  # noqa: E402
+from engine.decode.policies import make_policy  # noqa: E402
+from engine.datasets.prompts import bench_prompts  # noqa: E402
+from engine.runtime.forward import sync_device  # noqa: E402
+from engine.lab.generation import Generation, GenConfig, encode_prompt  # noqa: E402
 
 
 def _hf(pair: ModelPair, ids: list[int], max_new: int, assisted: bool) -> list[int]:

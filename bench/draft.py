@@ -44,16 +44,16 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
-from engine.args import add_model_args  # noqa: E402
-from engine.common import median_ms  # noqa: E402
-from engine.divergence import first_difference  # noqa: E402
-from engine.forward import sync_device  # noqa: E402
-from engine.generation import GenConfig, Generation, encode_prompt  # noqa: E402
-from engine.kv.cache import new_cache  # noqa: E402
-from engine.models import EXACT_VERIFY_TIERS, ModelPair, load_pair  # noqa: E402
+from engine.service.options import add_model_args  # noqa: E402
+from engine.base.helpers import median_ms  # noqa: E402
+from engine.lab.divergence import first_difference  # noqa: E402
+from engine.runtime.forward import sync_device  # noqa: E402
+from engine.lab.generation import GenConfig, Generation, encode_prompt  # noqa: E402
+from engine.runtime.kv.cache import new_cache  # noqa: E402
+from engine.runtime.models import EXACT_VERIFY_TIERS, ModelPair, load_pair  # noqa: E402
 from engine.oracles import available  # noqa: E402
-from engine.policies import PolicyContext, make_policy  # noqa: E402
-from engine.prompts import heldout  # noqa: E402
+from engine.decode.policies import PolicyContext, make_policy  # noqa: E402
+from engine.datasets.prompts import heldout  # noqa: E402
 
 HF_ASSISTED = ("constant:2", "constant:4", "heuristic")  # HF assisted settings timed by default
 HF_ASSISTED_KNOWN = "constant:K (K tokens a step, no confidence stop), heuristic (HF's +2/−1 schedule from 4), " \
@@ -78,7 +78,7 @@ class Options:
     forward_reps: int = 24  # timed forwards of the draft's and the target's raw per-token cost
     controller: Callable | None = None  # speckv's controller loader (service.controller_loader); None: rakv only
     speckv_note: str = "speckv not run: no stored controller (pass --db FILE holding one, e.g. from `bench controllers live --db FILE`)"
-    prompts: list[tuple[str, str]] | None = None  # (task, prompt); None: engine.prompts.heldout()
+    prompts: list[tuple[str, str]] | None = None  # (task, prompt); None: engine.datasets.prompts.heldout()
     say: Callable[[str], None] = field(default=lambda m: print(m, file=sys.stderr, flush=True))
 
 
@@ -136,7 +136,7 @@ def policies_for(pair: ModelPair, opts: Options, speckv: bool) -> list[str]:
 def _proposers(pair: ModelPair, opts: Options) -> tuple[str, ...]:
     """The proposers timed: --proposers (a known one the pair lacks, eagle without a head, is
     left out) or every one the pair has."""
-    from engine.records import PROPOSER_NAMES
+    from engine.decode.records import PROPOSER_NAMES
 
     have = available(pair)
     if opts.proposers is None:
@@ -198,7 +198,7 @@ def hf_assistant(pair: ModelPair) -> torch.nn.Module:
     row-invariant reads SpecLab's live runs need)."""
     if not pair.draft_row_invariant:
         return pair.draft  # its row-by-row verify patch acts only inside SpecLab's verify
-    from engine import invariance
+    from engine.runtime import invariance
 
     m = copy.deepcopy(pair.draft)
     invariance.undo_row_invariant(m)
@@ -206,7 +206,7 @@ def hf_assistant(pair: ModelPair) -> torch.nn.Module:
 
 
 def hf_runner(pair: ModelPair, setting: str, assistant: torch.nn.Module | None) -> Callable:
-    from engine.export import TunedConfig, hf_bind, hf_generate_kwargs
+    from engine.service.export import TunedConfig, hf_bind, hf_generate_kwargs
 
     kind, _, arg = setting.partition(":")
 
@@ -241,8 +241,8 @@ def setting_context(pair: ModelPair, tier: str, opts: Options, calib: tuple[str,
     mode's own), calibrated against live steps of ar and every fixed policy on a prompt not
     timed, through a temporary store as `python -m engine` builds it (service.policy_context).
     Also returns what was measured, for the report."""
-    from engine.costs import CostTable
-    from engine.profiling import Job, measure_costs, run_job
+    from engine.decode.costs import CostTable
+    from engine.lab.profiling import Job, measure_costs, run_job
     from engine.service import calibrate_costs, cost_key, policy_context
     from store import Store
 

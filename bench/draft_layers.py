@@ -17,9 +17,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 
 from bench.draft import per_token_ms  # noqa: E402
-from engine import distill  # noqa: E402
-from engine.draft import build_draft  # noqa: E402
-from engine.models import load_model  # noqa: E402
+from engine.training import distill  # noqa: E402
+from engine.runtime.draft_model import build_draft  # noqa: E402
+from engine.runtime.models import load_model  # noqa: E402
 
 
 class _Quiet:

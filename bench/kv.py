@@ -26,7 +26,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from engine.args import add_db_arg  # noqa: E402
+from engine.service.options import add_db_arg  # noqa: E402
 
 BANDWIDTHS = (0.1, 0.3, 1.0, 3.0, 10.0, 30.0, 100.0)  # Gbit/s
 CHECK_GBIT_S = 1.0  # the bandwidth of the one real, sleeping-link restore that checks the model
@@ -46,9 +46,9 @@ def _tier_kv(target, ids: list[int], tier: str):
     """The target's cache over `ids` at `tier`, as a served prefill stores it."""
     import torch
 
-    from engine.forward import forward_logits
-    from engine.kv.cache import new_cache
-    from engine.prefix_cache import kv_of
+    from engine.runtime.forward import forward_logits
+    from engine.runtime.kv.cache import new_cache
+    from engine.runtime.prefix_cache import kv_of
 
     with torch.inference_mode():
         _, cache = forward_logits(target, ids, new_cache(target, tier), 1)
@@ -58,7 +58,7 @@ def _tier_kv(target, ids: list[int], tier: str):
 def code_once(kv, ids, tier: str, kit, window: int) -> dict:
     """Offload `kv` coded in windows of `window` into host memory and restore it: sizes, times
     per window, exactness."""
-    from engine.kv.offload import SlowTier, Timing, offload, restore, tier_kv
+    from engine.runtime.kv.offload import SlowTier, Timing, offload, restore, tier_kv
 
     slow = SlowTier()
     t0 = time.perf_counter()
@@ -78,7 +78,7 @@ def code_once(kv, ids, tier: str, kit, window: int) -> dict:
 
 def restore_model(res: dict, latency_ms: float = 0.0) -> dict:
     """Restore seconds at each bandwidth, coded (the pipeline) against raw (the stored bytes)."""
-    from engine.kv.pipeline import Link, breakeven_gbit_s, pipelined_seconds
+    from engine.runtime.kv.pipeline import Link, breakeven_gbit_s, pipelined_seconds
 
     off = res["off"]
     raw_sizes = [off.raw_bytes * (hi - lo) // len(off.tokens) for lo, hi in off.windows()]
@@ -92,8 +92,8 @@ def restore_model(res: dict, latency_ms: float = 0.0) -> dict:
 
 def checked_restore(res: dict, kit) -> dict:
     """One real pipelined restore over a link sleeping CHECK_GBIT_S, against the model's figure."""
-    from engine.kv.offload import SlowTier, Timing, restore
-    from engine.kv.pipeline import Link, pipelined_seconds
+    from engine.runtime.kv.offload import SlowTier, Timing, restore
+    from engine.runtime.kv.pipeline import Link, pipelined_seconds
 
     off, link = res["off"], Link(CHECK_GBIT_S)
     slow = SlowTier(link=link)
@@ -110,9 +110,9 @@ def predictor_cost(target, kit, ids: list[int], window: int, reps: int = 2) -> f
     prefill of the same tokens, timed in turns."""
     import torch
 
-    from engine.common import medians_ms
-    from engine.forward import forward_logits
-    from engine.kv.cache import new_cache
+    from engine.base.helpers import medians_ms
+    from engine.runtime.forward import forward_logits
+    from engine.runtime.kv.cache import new_cache
 
     def mu() -> None:
         m = kit.mu()
@@ -130,9 +130,9 @@ def predictor_cost(target, kit, ids: list[int], window: int, reps: int = 2) -> f
 def coding(a, target, tokenizer) -> dict:
     """Everything but acceptance: per predictor and tier at the main context and W, then the
     W and context sweeps with the best predictor."""
-    from engine.kv.calibration import codec_kit, conversation_ids
-    from engine.kv.offload import tier_kv
-    from engine.kv.tiers import KV_TIERS
+    from engine.runtime.kv.calibration import codec_kit, conversation_ids
+    from engine.runtime.kv.offload import tier_kv
+    from engine.runtime.kv.tiers import KV_TIERS
 
     n_max = max([a.context] + a.contexts)
     ids_all = conversation_ids(tokenizer, n_max, "heldout")
@@ -218,9 +218,9 @@ def acceptance(a) -> list[dict]:
     """Per (weight tier × KV tier): traces of held-out prompts, replayed under each fixed γ with
     that tier's cost table; acceptance is the share of positions whose first drafted token the
     target kept (what α a controller sees)."""
-    from engine.kv.tiers import KV_TIERS
-    from engine.models import load_pair
-    from engine.profiling import measure_costs
+    from engine.runtime.kv.tiers import KV_TIERS
+    from engine.runtime.models import load_pair
+    from engine.lab.profiling import measure_costs
     from engine.service import prompt_set, replay_all, trace_prompts
     from store import Store
 
@@ -258,7 +258,7 @@ def acceptance(a) -> list[dict]:
 
 
 def parse(argv: list[str] | None) -> argparse.Namespace:
-    from engine.models import TIERS
+    from engine.runtime.models import TIERS
 
     p = argparse.ArgumentParser(prog="bench kv", description=__doc__.splitlines()[0])
     p.add_argument("--target", default=None, help="HF id or local dir (default: the embedded model)")
@@ -298,7 +298,7 @@ def run(argv: list[str] | None = None) -> dict:
     """Measures, stores (unless --db ''), and returns the result."""
     import torch
 
-    from engine.models import load_model, load_tokenizer, resolve_device
+    from engine.runtime.models import load_model, load_tokenizer, resolve_device
     from store import Store, StoreError
 
     a = parse(argv)

@@ -26,7 +26,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from engine.args import add_model_args  # noqa: E402
+from engine.service.options import add_model_args  # noqa: E402
 
 CONFIGS = {"no reuse": ("ar", False), "reuse-only": ("reuse-only", True), "joint:4": ("joint:4", True),
            "rakv": ("rakv", True)}
@@ -42,7 +42,8 @@ QUESTIONS = ("Summarize the document above in three sentences.", "List the main 
 def workloads(tokenizer, n: int, doc_tokens: int, system_tokens: int) -> dict[str, list]:
     """Name → requests, each a list of chat messages (and held-out first questions to calibrate
     on). Real text throughout; the long document and the system prompt are cut to a token count."""
-    from engine.importers import humaneval, sharegpt
+    from engine.datasets import humaneval
+    from engine.datasets import sharegpt
 
     def count(text: str) -> int:
         return len(tokenizer(text, add_special_tokens=False)["input_ids"])
@@ -79,7 +80,7 @@ def calibrated(pair, st, prompts: list[str], max_new: int):
     """The policies' context after a short profile of held-out requests, as a user tunes a pair:
     their live steps calibrate the cost table (`costs --calibrate`: the bare forwards miss what a
     live step pays beyond them) and give rakv the pair's acceptance as its prior."""
-    from engine.profiling import Job, run_job
+    from engine.lab.profiling import Job, run_job
     from engine.service import calibrate_costs, cost_key, policy_context
 
     for prompt in prompts:
@@ -91,9 +92,9 @@ def calibrated(pair, st, prompts: list[str], max_new: int):
 
 def request(pair, ids: list[int], spec: str, reuse: bool, cache, ctx, max_new: int) -> dict:
     """One request under one configuration, timed whole: storing its state counts too."""
-    from engine.forward import sync_device
-    from engine.generation import GenConfig, Generation
-    from engine.policies import make_policy
+    from engine.runtime.forward import sync_device
+    from engine.lab.generation import GenConfig, Generation
+    from engine.decode.policies import make_policy
 
     gc.collect()  # the previous request's garbage is not this one's to collect
     t0 = time.perf_counter()
@@ -129,8 +130,8 @@ def measure(pair, loads: dict[str, list[list[dict]]], ctx, max_new: int, budget:
     first, last and after each other alike): a rotation would always put rakv after joint:4.
     With several rounds (fresh caches each), a request's time is its median over the rounds;
     a configuration over RACE_MARGIN × the best after the first round sits the rest out."""
-    from engine.generation import encode_messages
-    from engine.prefix_cache import PrefixCache
+    from engine.lab.generation import encode_messages
+    from engine.runtime.prefix_cache import PrefixCache
 
     names, results = list(CONFIGS), {}
     for wl, convs in loads.items():
@@ -186,7 +187,7 @@ def main(argv: list[str] | None = None) -> int:
     a = p.parse_args(argv)
     if a.rounds < 1:
         p.error(f"--rounds needs at least 1, got {a.rounds}")
-    from engine.models import load_pair
+    from engine.runtime.models import load_pair
     from engine.service import cost_table
     from store import Store
 

@@ -48,7 +48,7 @@ TRACE_PROMPTS = [("code", "def f(x):"), ("chat", "Hi there"), ("math", "1+1="), 
 
 def store_costs_and_traces(db, pair) -> None:
     """What replay and retraining read: a cost table and four traces of the tiny pair."""
-    from engine.profiling import measure_costs, trace
+    from engine.lab.profiling import measure_costs, trace
     from store import Store
 
     with Store(db) as s:

@@ -24,7 +24,7 @@ def tiny_dirs(tmp_path_factory) -> tuple[Path, Path]:
 
 @pytest.fixture(scope="session")
 def tiny_pair(tiny_dirs):
-    from engine.models import load_pair
+    from engine.runtime.models import load_pair
 
     target, draft = tiny_dirs
     return load_pair(str(target), str(draft), target_tier="fp32", device="cpu")
@@ -38,7 +38,7 @@ def eagle_pair(tiny_pair):
 
     import torch
 
-    from engine import eagle as eaglelib
+    from engine.runtime import eagle_head as eaglelib
 
     target = tiny_pair.target
     emb = target.get_input_embeddings().weight.detach().float()

@@ -20,7 +20,7 @@ def test_app_renders(app_env):
     assert [b.label for b in at.button] == ["Generate"]
     # The sidebar starts from the environment.
     assert at.sidebar.text_input(key="speclab_db").value == str(app_env)
-    assert at.selectbox(key="live_policy").value == "rakv"  # engine.policies.DEFAULT_POLICY
+    assert at.selectbox(key="live_policy").value == "rakv"  # engine.decode.policies.DEFAULT_POLICY
     assert at.checkbox(key="live_chat").value is True
 
 
@@ -148,7 +148,7 @@ def test_engine_errors_are_one_line(app_env, monkeypatch):
 
 
 def test_replay_page_shows_policies_side_by_side_and_retrains(app_env, tiny_pair):
-    from engine.profiling import Job, run_job
+    from engine.lab.profiling import Job, run_job
 
     store_costs_and_traces(app_env, tiny_pair)
     at = open_page("views/retrain.py")

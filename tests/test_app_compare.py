@@ -77,7 +77,7 @@ def test_one_policy_is_a_one_line_error(app_env):
 
 
 def test_whatif_replays_the_stored_traces(app_env, tiny_pair):
-    from engine.profiling import measure_costs, trace
+    from engine.lab.profiling import measure_costs, trace
 
     with Store(app_env) as s:
         s.add_costs(measure_costs(tiny_pair, buckets=(8,), reps=2).to_rows(2))

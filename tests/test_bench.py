@@ -34,7 +34,7 @@ def eagle_tiny(tiny_pair):
 
     import torch
 
-    from engine import eagle as eaglelib
+    from engine.runtime import eagle_head as eaglelib
 
     emb = tiny_pair.target.get_input_embeddings().weight.detach().float()
     torch.manual_seed(0)
@@ -55,7 +55,7 @@ def _slower(runner, names, by_s=1.0):
 
 
 def test_draft_bench_reports_what_the_issue_asks(tiny_dirs, eagle_tiny, monkeypatch):
-    from engine.models import load_pair
+    from engine.runtime.models import load_pair
 
     import dataclasses
 
@@ -121,7 +121,7 @@ def test_catchup_bench_times_every_way_on_the_same_reads(tiny_pair):
         assert all(res["ms"][way][n] > 0 for way in res["ms"])
     # 64 tokens row by row are 64 forwards; the row-invariant read takes one.
     assert res["rows_vs_rowinv"][64] > 2
-    from engine import invariance
+    from engine.runtime import invariance
 
     assert tiny_pair.draft.config._attn_implementation == invariance.ROW_INVARIANT  # the pair's own draft untouched
 
@@ -179,7 +179,7 @@ def test_kv_bench_codes_restores_and_tabulates_acceptance_on_a_tiny_pair(tiny_di
     trips, fewer coded bits than stored, restore times that fall with bandwidth and cross at the
     break-even, the W and context sweeps, and acceptance per weight tier × KV tier."""
     from bench import kv
-    from engine.models import load_model, load_tokenizer
+    from engine.runtime.models import load_model, load_tokenizer
     import torch
 
     monkeypatch.setenv("SPECLAB_CACHE", str(tmp_path))

@@ -79,7 +79,7 @@ def test_generate_at_a_kv_tier_records_it(tiny_dirs, tmp_path):
 ])
 def test_bad_arguments_give_one_line(args, needle, capsys):
     """In process (the same `main` the subprocess runs), so the table stays cheap."""
-    from engine.cli import main
+    from engine.cli.main import main
 
     rc = main(args + ["--db", ""] if args[0] == "generate" else args)
     err = capsys.readouterr().err

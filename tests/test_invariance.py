@@ -3,9 +3,9 @@ bit, attention still computes attention, and a model the probe rejects is left a
 import pytest
 import torch
 
-from engine import invariance
-from engine.kv.cache import new_cache
-from engine.forward import crop_to, forward_logits
+from engine.runtime import invariance
+from engine.runtime.kv.cache import new_cache
+from engine.runtime.forward import crop_to, forward_logits
 from engine.oracles.model import draft_read
 
 

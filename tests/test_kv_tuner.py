@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 from streamlit.testing.v1 import AppTest
 
-from engine.kv import tuner as T
+from engine.service import kv_tuner as T
 from store import Store
 
 APP = Path(__file__).resolve().parents[1] / "app.py"
@@ -304,15 +304,15 @@ def test_tune_reads_the_newest_measurement_of_the_target_and_tier():
 
 
 def test_the_tuner_mirrors_the_engine_constants():
-    from engine.kv.tiers import KV_TIERS
-    from engine.models import EMBEDDED_LABEL
+    from engine.runtime.kv.tiers import KV_TIERS
+    from engine.runtime.models import EMBEDDED_LABEL
 
     assert T.KV_TIERS == tuple(KV_TIERS) and T.EMBEDDED_TARGET == EMBEDDED_LABEL
 
 
 # -- the CLI -------------------------------------------------------------------------------------
 def test_cli_tune_json_and_text(db, capsys):
-    from engine.cli import main
+    from engine.cli.main import main
 
     assert main(["tune", "--context", "8192", "--link-gbit-s", "1", "--goal", "memory", "--db", str(db), "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
@@ -337,7 +337,7 @@ def test_cli_tune_json_and_text(db, capsys):
      "no KV measurements for nope yet: run `python -m engine bench kv`"),
 ])
 def test_cli_tune_bad_input_is_one_line_exit_2(db, args, needle, capsys):
-    from engine.cli import main
+    from engine.cli.main import main
 
     rc = main(["tune", *args, "--db", str(db)])
     err = capsys.readouterr().err
@@ -346,7 +346,7 @@ def test_cli_tune_bad_input_is_one_line_exit_2(db, args, needle, capsys):
 
 
 def test_cli_tune_without_a_database_file(tmp_path, capsys):
-    from engine.cli import main
+    from engine.cli.main import main
 
     missing = tmp_path / "none.duckdb"
     assert main(["tune", "--context", "2048", "--link-gbit-s", "1", "--goal", "memory", "--db", str(missing)]) == 2

@@ -1,7 +1,7 @@
 import torch
 from transformers.cache_utils import DynamicLayer
 
-from engine.kv.cache import GrowingCache, GrowingLayer, new_cache
+from engine.runtime.kv.cache import GrowingCache, GrowingLayer, new_cache
 
 
 def test_growing_layer_matches_dynamic_layer_through_updates_and_crops():
@@ -24,8 +24,8 @@ def test_new_cache_picks_growing_for_full_attention(tiny_pair):
 # -- KV tiers (engine/kv/tiers.py) ------------------------------------------------------------------
 import pytest  # noqa: E402
 
-from engine.kv import tiers as T  # noqa: E402
-from engine.kv.cache import held_bytes_per_token  # noqa: E402
+from engine.runtime.kv import tiers as T  # noqa: E402
+from engine.runtime.kv.cache import held_bytes_per_token  # noqa: E402
 
 LOSSY = ("fp8", "int8")
 
@@ -173,7 +173,7 @@ def test_stored_form_restores_exactly(tier):
 
 @pytest.mark.parametrize("tier", T.KV_TIERS)
 def test_held_bytes_per_token_match_the_tier(tiny_pair, tier):
-    from engine.forward import forward_logits
+    from engine.runtime.forward import forward_logits
 
     model = tiny_pair.target
     cfg = model.config

@@ -7,14 +7,14 @@ import numpy as np
 import pytest
 import torch
 
-from engine.generation import GenConfig, Generation, encode_prompt
-from engine.kv import codec as C
-from engine.kv import offload as O
-from engine.kv import pipeline as PL
-from engine.kv import predictor as P
-from engine.kv.calibration import codec_kit, load_codec
-from engine.kv.tiers import KV_TIERS, quantize
-from engine.policies import make_policy
+from engine.lab.generation import GenConfig, Generation, encode_prompt
+from engine.runtime.kv import codec as C
+from engine.runtime.kv import offload as O
+from engine.runtime.kv import pipeline as PL
+from engine.runtime.kv import proxy as P
+from engine.runtime.kv.calibration import codec_kit, load_codec
+from engine.runtime.kv.tiers import KV_TIERS, quantize
+from engine.decode.policies import make_policy
 
 from tiny import synthetic_context
 
@@ -116,9 +116,9 @@ def monkeypatch_module():
 
 
 def _target_stored(pair, ids: list[int], tier: str) -> O.KV:
-    from engine.forward import forward_logits
-    from engine.kv.cache import new_cache
-    from engine.prefix_cache import kv_of
+    from engine.runtime.forward import forward_logits
+    from engine.runtime.kv.cache import new_cache
+    from engine.runtime.prefix_cache import kv_of
 
     with torch.inference_mode():
         _, cache = forward_logits(pair.target, ids, new_cache(pair.target, tier), 1)
@@ -188,7 +188,7 @@ def test_bad_windows_tiers_and_codec_files_are_one_line_errors(tiny_pair, kit, t
     assert load_codec(path, tiny_pair.target, "native").stats.digest == kit.codec("native").stats.digest
     with pytest.raises(ValueError, match="codec for the native KV tier, not fp8"):
         load_codec(path, tiny_pair.target, "fp8")
-    from engine.models import load_model
+    from engine.runtime.models import load_model
 
     other = load_model(str(tiny_dirs[1]), "fp32", torch.device("cpu"))  # the draft: another model
     with pytest.raises(ValueError, match="KV codec for another target"):

@@ -8,13 +8,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from engine.costs import CostTable
-from engine.profiling import measure_costs
-from engine.policies import PolicyContext, make_policy
-from engine.profiling import trace
-from engine.generation import GenConfig, Generation, encode_prompt
-from engine.retrain import fit_forest, fit_mlp, from_traces
-from engine.whatif import replay, summarize
+from engine.decode.costs import CostTable
+from engine.lab.profiling import measure_costs
+from engine.decode.policies import PolicyContext, make_policy
+from engine.lab.profiling import trace
+from engine.lab.generation import GenConfig, Generation, encode_prompt
+from engine.training.retrain import fit_forest, fit_mlp, from_traces
+from engine.lab.whatif import replay, summarize
 
 ROOT = Path(__file__).resolve().parents[1]
 PROMPTS = [("code", "def add(a, b):"), ("chat", "Hello there, how"), ("math", "2 + 2 = 4. 3 + 3 ="),
@@ -118,7 +118,7 @@ def test_cost_table_lookup_uses_the_bucket_at_or_below():
 
 
 def test_calibration_scales_each_draft_length_to_its_live_steps():
-    from engine.costs import CALIBRATE_MIN, calibrate
+    from engine.decode.costs import CALIBRATE_MIN, calibrate
     from store import Store
 
     t = CostTable([64, 256], [1.0, 2.0], [[10.0 + k for k in range(9)], [20.0 + k for k in range(9)]],
@@ -183,7 +183,7 @@ def test_trace_examples_label_every_gamma_after_every_walked_step():
 def test_prompt_split_keeps_a_prompt_on_one_side_at_every_tier():
     """Groups are prompt texts: a prompt traced at fp32 and bf16 is trained or tested on at both,
     and the split does not depend on ids or on the order of the examples."""
-    from engine.retrain import Examples, split
+    from engine.training.retrain import Examples, split
 
     rows = [(f"p{i}", tier, ("code", "chat")[i % 2]) for i in range(10) for tier in ("fp32", "bf16") for _ in range(3)]
     group, stratum = np.array([r[0] for r in rows]), np.array([f"{r[1]}/{r[2]}" for r in rows])
@@ -269,7 +269,7 @@ def test_cli_measure_trace_retrain_replay_profile(tiny_dirs, tmp_path):
 
 
 def test_sampling_traces_store_the_acceptance_probability(tiny_pair, tiny_dirs):
-    from engine.models import load_pair
+    from engine.runtime.models import load_pair
 
     t = trace(tiny_pair, "Hello there, how", "chat", 16, temperature=1.0)
     probs = [r["accept_prob"] for r in t.positions if r["proposer"] == "draft"]
@@ -334,7 +334,7 @@ def test_traces_at_two_kv_tiers_differ_and_group_apart(traced, traced_fp8):
 
 
 def test_sweep_jobs_and_their_resume_key_carry_the_kv_tier():
-    from engine.profiling import Job, pending, sweep_jobs
+    from engine.lab.profiling import Job, pending, sweep_jobs
 
     jobs = sweep_jobs([("chat", "a"), ("code", "b")], ["fp32", "bf16"], ["ar", "fixed:2"], ["native", "fp8"])
     assert len(jobs) == 16 and jobs[0] == Job("fp32", "chat", "a", "ar", "native")
@@ -364,10 +364,10 @@ def test_controllers_read_the_kv_tier_and_old_ones_keep_predicting(traced, trace
     with the paper's six (meta lists its features) loads and predicts as before at any KV tier."""
     import pandas as pd
 
-    from engine.kv.tiers import KV_TIERS
-    from engine.policies.speckv import SpeckvPolicy
-    from engine.predictor import FEATURES, FEATURES_KV, KV_CODES, Predictor, feature_rows
-    from engine.records import DecodeState
+    from engine.runtime.kv.tiers import KV_TIERS
+    from engine.decode.policies.speckv import SpeckvPolicy
+    from engine.decode.acceptance import FEATURES, FEATURES_KV, KV_CODES, Predictor, feature_rows
+    from engine.decode.records import DecodeState
     from engine.service import controller_loader
     from store import Store
 

@@ -98,12 +98,12 @@ def test_engine_never_imports_streamlit_and_store_never_torch():
 
 
 def test_only_main_imports_the_cli():
-    users = sorted(m for m, deps in GRAPH.items() if "engine.cli" in deps)
+    users = sorted(m for m, deps in GRAPH.items() if "engine.cli.main" in deps)
     assert users == ["engine.__main__"], users
 
 
 def test_the_service_layer_and_replay_load_without_torch():
-    code = ("import sys; import engine.service, engine.whatif, engine.step, engine.oracles.trace, store; "
+    code = ("import sys; import engine.service, engine.lab.whatif, engine.decode.step, engine.oracles.trace, store; "
             "bad = [m for m in ('torch', 'streamlit', 'transformers') if m in sys.modules]; "
             "assert not bad, bad")
     subprocess.run([sys.executable, "-c", code], cwd=ROOT, check=True)

@@ -1,8 +1,8 @@
 import pytest
 
-from engine.policies import K_MAX, NEEDS_CONTEXT, POLICY_EXAMPLES, PolicyContext, make_policy
+from engine.decode.policies import K_MAX, NEEDS_CONTEXT, POLICY_EXAMPLES, PolicyContext, make_policy
 from tiny import synthetic_context
-from engine.records import DecodeState, DraftToken, StepRecord
+from engine.decode.records import DecodeState, DraftToken, StepRecord
 
 
 def _state(history=()):
@@ -11,7 +11,7 @@ def _state(history=()):
 
 
 def _rec(k_chosen, k_drafted, accepted, ents=(), confs=()):
-    from engine.records import signal_summary as summarize
+    from engine.decode.records import signal_summary as summarize
 
     ents, confs = list(ents) or [0.5] * k_drafted, list(confs) or [0.9] * k_drafted
     return StepRecord(step=1, position=0, k_chosen=k_chosen, k_drafted=k_drafted, accepted=accepted,
@@ -68,7 +68,7 @@ def test_rakv_speculates_only_when_it_pays():
 def test_rakv_and_speckv_take_reuse_only_when_the_measured_prefill_pays():
     from dataclasses import replace
 
-    from engine.costs import CostTable
+    from engine.decode.costs import CostTable
 
     base = CostTable([64, 256, 512], [1.0] * 3, [[10.0 + 0.5 * k for k in range(K_MAX + 1)]] * 3)
     cheap = replace(base, prefill_ms=[20.0, 70.0, 140.0], fill_ms=0.01)
@@ -108,7 +108,7 @@ def test_drafting_must_repay_the_draft_catch_up():
 
 
 def test_rakv_takes_the_measured_acceptance_as_its_prior():
-    from engine.policies.rakv import ALPHA0
+    from engine.decode.policies.rakv import ALPHA0
 
     ctx = synthetic_context(draft_ms=3.0)  # plain 10 ms a token; a k = 1 step 13.5 ms
     assert make_policy("rakv", ctx).alpha0 == ALPHA0  # nothing measured
@@ -125,7 +125,7 @@ def test_rakv_takes_the_measured_acceptance_as_its_prior():
 def test_probes_back_off_when_they_do_not_pay():
     from dataclasses import replace
 
-    from engine.policies.base import PROBE_AFTER, PROBE_MAX, probe_due
+    from engine.decode.policies.base import PROBE_AFTER, PROBE_MAX, probe_due
 
     costs = _costs()  # a step drafting k costs 10 + 1.5·k ms: plain decoding, 10 ms a token
     due = lambda hist: probe_due(_state(hist), costs)  # noqa: E731
@@ -172,8 +172,8 @@ def test_speckv_counts_the_predicted_rate_of_each_draft_length():
     """The MLP predicts accepted / k; a k-token draft then yields 1 + k·rate tokens on average."""
     import numpy as np
 
-    from engine.predictor import Predictor
-    from engine.policies.speckv import SpeckvPolicy
+    from engine.decode.acceptance import Predictor
+    from engine.decode.policies.speckv import SpeckvPolicy
 
     rate = 0.5
     flat = Predictor("mlp", {"w0": np.zeros((6, 1)), "b0": np.array([rate])}, meta={"signal_defaults": [0.5, 0.9, 0.5, 0.9]})
@@ -187,8 +187,8 @@ def test_speckv_counts_the_predicted_rate_of_each_draft_length():
 def test_speckv_scales_its_predictor_by_what_this_generation_accepted():
     import numpy as np
 
-    from engine.predictor import Predictor
-    from engine.policies.speckv import FEEDBACK_PRIOR, SpeckvPolicy
+    from engine.decode.acceptance import Predictor
+    from engine.decode.policies.speckv import FEEDBACK_PRIOR, SpeckvPolicy
 
     rate = 0.5
     flat = Predictor("mlp", {"w0": np.zeros((6, 1)), "b0": np.array([rate])}, meta={"signal_defaults": [0.5, 0.9, 0.5, 0.9]})
@@ -294,7 +294,7 @@ def _by(proposer, k_chosen, k_drafted, accepted, **kw):
 def _multi(history=(), lookahead=None, alphas=None, proposers=("draft", "ngram")):
     """A state of a run with several proposers: the n-gram proposer sees a 4-token continuation
     unless `lookahead` says otherwise; `alphas` the engine's per-proposer EWMAs."""
-    from engine.records import UNBOUNDED
+    from engine.decode.records import UNBOUNDED
 
     st = _state(history)
     st.proposers = proposers
@@ -348,7 +348,7 @@ def test_a_cost_table_from_before_proposers_prices_the_draft_alone():
 
 
 def test_a_restricted_spec_never_drafts_with_another_proposer():
-    from engine.records import UNBOUNDED
+    from engine.decode.records import UNBOUNDED
 
     costs = _ProposerCosts(draft=3.0)
     histories = ([], [_by("ngram", 4, 4, 4)] * 3, [_by("draft", 2, 2, 0)] + [_rec(0, 0, 0)] * 40,
@@ -369,7 +369,7 @@ def test_a_restricted_spec_never_drafts_with_another_proposer():
 def test_each_proposer_waits_for_its_own_probe():
     from dataclasses import replace
 
-    from engine.policies.base import probe_due
+    from engine.decode.policies.base import probe_due
 
     costs = _ProposerCosts(draft=30.0)
     plain, dud, spec = _rec(0, 0, 0), _by("ngram", 1, 1, 0), _by("draft", 4, 4, 3)
@@ -398,8 +398,8 @@ def test_each_proposer_waits_for_its_own_probe():
 def test_speckv_weighs_the_other_proposers_by_their_acceptance():
     import numpy as np
 
-    from engine.predictor import Predictor
-    from engine.policies.speckv import SpeckvPolicy
+    from engine.decode.acceptance import Predictor
+    from engine.decode.policies.speckv import SpeckvPolicy
 
     flat = Predictor("mlp", {"w0": np.zeros((6, 1)), "b0": np.array([0.3])}, meta={"signal_defaults": [0.5, 0.9, 0.5, 0.9]})
     pol = SpeckvPolicy(flat, _ProposerCosts(draft=3.0))  # the draft's drafts: 30% accepted, 6 ms a token
@@ -447,7 +447,7 @@ class _Wrong(_Lookup):
     name = "draft"
 
     def lookahead(self) -> int:
-        from engine.records import UNBOUNDED
+        from engine.decode.records import UNBOUNDED
 
         return UNBOUNDED
 
@@ -480,7 +480,7 @@ class _Text:
 
 
 def _toy_run(spec, out, prompt):
-    from engine.step import Setting, decode
+    from engine.decode.step import Setting, decode
 
     pol = make_policy(spec, _ctx(_ProposerCosts()))
     proposers = {"draft": _Wrong(prompt), "ngram": _Lookup(prompt)}
@@ -514,8 +514,8 @@ REPLAY_PROMPTS = ("ab ab ab ab ab ab", "def add(a, b): return a + b\ndef add(")
 def traced_proposers(tiny_pair):
     """Traces of every proposer the tiny pair has along two prompts, and costs that make the
     n-gram lookup free and a verified token dear, so that choosing between the two is a real choice."""
-    from engine.costs import CostTable, DraftCost
-    from engine.profiling import trace
+    from engine.decode.costs import CostTable, DraftCost
+    from engine.lab.profiling import trace
 
     costs = CostTable([1], [1.0], [[10.0 + 3.0 * k for k in range(K_MAX + 1)]],
                       proposer_costs={"ngram": DraftCost([0.0])})
@@ -526,8 +526,8 @@ def traced_proposers(tiny_pair):
 def test_replay_matches_the_live_run_choosing_among_proposers(tiny_pair, traced_proposers, spec):
     """A trace records every proposer's proposal; a replay then takes the live run's steps, who
     drafted each included."""
-    from engine.generation import GenConfig, Generation, encode_prompt
-    from engine.whatif import replay
+    from engine.lab.generation import GenConfig, Generation, encode_prompt
+    from engine.lab.whatif import replay
 
     traces, costs = traced_proposers
     ctx = PolicyContext(costs=costs, controller=synthetic_context().controller)

@@ -5,10 +5,10 @@ import threading
 import pytest
 import torch
 
-from engine import prefix_cache as pc
-from engine.generation import GenConfig, Generation, encode_messages, encode_prompt
-from engine.policies import POLICY_EXAMPLES, make_policy
-from engine.prefix_cache import Entry, PrefixCache
+from engine.runtime import prefix_cache as pc
+from engine.lab.generation import GenConfig, Generation, encode_messages, encode_prompt
+from engine.decode.policies import POLICY_EXAMPLES, make_policy
+from engine.runtime.prefix_cache import Entry, PrefixCache
 from tiny import synthetic_context
 
 KEY = ("target", "fp32", "draft", "fp32", "cpu", False)
@@ -177,7 +177,7 @@ def test_reuse_at_a_kv_tier_gives_what_a_cold_read_gives(tiny_pair, kv_tier):
 
 
 def test_evicted_entries_spill_to_the_slow_tier_and_come_back(tmp_path):
-    from engine.kv.offload import SlowTier
+    from engine.runtime.kv.offload import SlowTier
 
     size = entry(range(10)).nbytes
     cache = PrefixCache(budget_bytes=size + 1, spill=pc.Spill(SlowTier(tmp_path), budget_bytes=10 * size, window=4))
@@ -201,7 +201,7 @@ def test_evicted_entries_spill_to_the_slow_tier_and_come_back(tmp_path):
 
 
 def test_the_spill_tier_keeps_its_own_budget():
-    from engine.kv.offload import SlowTier
+    from engine.runtime.kv.offload import SlowTier
 
     size = entry(range(10)).nbytes
     cache = PrefixCache(budget_bytes=size + 1, spill=pc.Spill(SlowTier(), budget_bytes=size + 200, window=10))
@@ -214,7 +214,7 @@ def test_the_spill_tier_keeps_its_own_budget():
 
 @pytest.mark.parametrize("kv_tier", ["native", "fp8"])
 def test_greedy_output_after_a_spilled_hit_equals_output_without_reuse(tiny_pair, tmp_path, kv_tier):
-    from engine.kv.offload import SlowTier
+    from engine.runtime.kv.offload import SlowTier
 
     ids_a = encode_prompt(tiny_pair.tokenizer, "Tell me a story about a cat.", chat=True)
     ids_b = encode_prompt(tiny_pair.tokenizer, "2+2=", chat=True)

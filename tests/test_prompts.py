@@ -1,5 +1,5 @@
 """The project's prompt sets: held-out prompts stay out of training, rounds do not repeat."""
-from engine import prompts as P
+from engine.datasets import prompts as P
 
 
 def test_training_rounds_are_disjoint_from_each_other_and_the_heldout_set():

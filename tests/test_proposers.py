@@ -5,16 +5,16 @@ among them takes the live run's steps; per-proposer costs; the policy spec's '@'
 import pytest
 import torch
 
-from engine.costs import CostTable, DraftCost, calibrate
-from engine.generation import GenConfig, Generation, encode_prompt
+from engine.decode.costs import CostTable, DraftCost, calibrate
+from engine.lab.generation import GenConfig, Generation, encode_prompt
 from engine.oracles import available, build
 from engine.oracles.model import TargetVerifier
-from engine.policies import BasePolicy, make_policy, parse_policy
-from engine.profiling import measure_costs, trace
-from engine.records import K_MAX, UNBOUNDED, Action
-from engine.sampling import Sampler
-from engine.step import Setting, decode
-from engine.whatif import proposals, replay
+from engine.decode.policies import BasePolicy, make_policy, parse_policy
+from engine.lab.profiling import measure_costs, trace
+from engine.decode.records import K_MAX, UNBOUNDED, Action
+from engine.oracles.sampling import Sampler
+from engine.decode.step import Setting, decode
+from engine.lab.whatif import proposals, replay
 from test_speculative import _hf_greedy
 
 # Prompts that repeat themselves, so that the n-gram proposer finds matches.
@@ -158,7 +158,7 @@ def test_replay_refuses_a_proposer_the_trace_lacks(lab):
 
 def test_bare_proposer_is_the_draft(lab):
     from engine.oracles.trace import TraceProposer, TraceVerifier
-    from engine.step import ModelledClock
+    from engine.decode.step import ModelledClock
 
     traces, _ = lab
     t = traces[1]
@@ -216,7 +216,7 @@ def test_a_bad_proposer_spec_is_one_line(spec, msg):
 
 
 def test_a_list_of_specs_keeps_each_specs_options():
-    from engine.policies import split_policies
+    from engine.decode.policies import split_policies
 
     assert split_policies("ar, fixed:2,fixed:3@ngram:max=3,min=2,rakv@draft+ngram:max=4,speckv") == [
         "ar", "fixed:2", "fixed:3@ngram:max=3,min=2", "rakv@draft+ngram:max=4", "speckv"]

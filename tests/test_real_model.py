@@ -10,11 +10,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine import divergence
-from engine.models import load_pair
-from engine.policies import POLICY_EXAMPLES, make_policy
-from engine.prompts import bench_prompts
-from engine.generation import Generation, GenConfig, encode_prompt
+from engine.lab import divergence
+from engine.runtime.models import load_pair
+from engine.decode.policies import POLICY_EXAMPLES, make_policy
+from engine.datasets.prompts import bench_prompts
+from engine.lab.generation import Generation, GenConfig, encode_prompt
 from tiny import synthetic_context
 
 MAX_NEW = 32
@@ -69,8 +69,8 @@ def test_prefix_reuse_keeps_greedy_output_for_every_policy(pair):
     equals output without it, token for token, for every proposer and the policies that choose
     among them or decide about reuse (the live run's draft state is also what a trace would have:
     replay stays exact)."""
-    from engine.generation import encode_messages
-    from engine.prefix_cache import PrefixCache
+    from engine.lab.generation import encode_messages
+    from engine.runtime.prefix_cache import PrefixCache
 
     system = {"role": "system", "content": " ".join(p for _, p in bench_prompts(3))}
     q1 = [system, {"role": "user", "content": "Write a haiku about caches."}]
@@ -92,8 +92,8 @@ def test_prefix_reuse_keeps_greedy_output_for_every_policy(pair):
 def test_replay_of_traces_matches_live_runs(pair):
     """The what-if engine's promise on the real pair (fp32 and bf16): replaying a policy over the
     prompt's acceptance trace gives the live run's steps and accepted counts, one for one."""
-    from engine.profiling import trace
-    from engine.whatif import replay
+    from engine.lab.profiling import trace
+    from engine.lab.whatif import replay
 
     ctx = synthetic_context()
     for task, prompt in PROMPTS[:3]:
@@ -173,7 +173,7 @@ def test_greedy_at_a_kv_tier_equals_plain_decoding_at_that_tier(pair, kv_tier):
     cost-aware `rakv`) emit exactly what `ar` emits at that tier (before the target read
     row-invariant, fixed:4 at fp8 left it on the math prompt at token 29, a 0.17 logit margin).
     And the tier is applied: its output leaves native's (read the same way) on some prompts."""
-    from engine import invariance
+    from engine.runtime import invariance
 
     if pair.target_tier != "fp32":
         pytest.skip("the KV-tier exactness check runs on the fp32 target")
@@ -198,12 +198,12 @@ def test_kv_codec_round_trips_real_kv_and_a_paused_generation_resumes_exactly(pa
     """The embedded target's own KV (a held-out ShareGPT context at each KV tier) through offload
     and windowed restore, raw and coded against q8_0, is bit-exact for every W; a bf16 generation
     paused and restored from coded windows emits what the uninterrupted one does."""
-    from engine.kv import offload as O
-    from engine.kv.calibration import codec_kit, conversation_ids
-    from engine.kv.tiers import KV_TIERS
-    from engine.prefix_cache import kv_of
-    from engine.forward import forward_logits
-    from engine.kv.cache import new_cache
+    from engine.runtime.kv import offload as O
+    from engine.runtime.kv.calibration import codec_kit, conversation_ids
+    from engine.runtime.kv.tiers import KV_TIERS
+    from engine.runtime.prefix_cache import kv_of
+    from engine.runtime.forward import forward_logits
+    from engine.runtime.kv.cache import new_cache
 
     if pair.target_tier != "bf16":
         pytest.skip("the codec check runs on the bf16 target")

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from store import Store, StoreError
-from engine.importers.speckv import COLUMNS, import_speckv
+from engine.datasets.speckv import COLUMNS, import_speckv
 
 DATA = Path(__file__).resolve().parents[1] / "engine" / "data" / "speckv-phase2"  # vendored, MIT
 STEPS_CSV = DATA / "phase2_step_results.csv"
@@ -160,7 +160,7 @@ def test_missing_or_empty_file(tmp_path: Path, content: str | None, pattern: str
 
 # ----- the CLI ----------------------------------------------------------------------------------
 def test_cli_import_json_then_text_then_error(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    from engine.cli import main
+    from engine.cli.main import main
 
     csv_path = write_csv(tmp_path / "s.csv", GOOD)
     db = tmp_path / "cli.duckdb"

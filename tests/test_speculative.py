@@ -5,10 +5,10 @@ import pytest
 import torch
 from scipy import stats
 
-from engine.models import load_pair
-from engine.policies import POLICY_EXAMPLES, make_policy
-from engine.generation import Generation, GenConfig, encode_prompt
-from engine.sampling import rejection_sample, warp
+from engine.runtime.models import load_pair
+from engine.decode.policies import POLICY_EXAMPLES, make_policy
+from engine.lab.generation import Generation, GenConfig, encode_prompt
+from engine.oracles.sampling import rejection_sample, warp
 from tiny import CHARS, synthetic_context
 
 PROMPTS = ["Hello there", "def f(x): return", "2+2=", "Tell me a story about a cat."]
@@ -41,8 +41,8 @@ def test_greedy_at_a_kv_tier_equals_plain_decoding_at_that_tier(tiny_pair, kv_ti
     tokens and verifying them in one forward stores what k + 1 plain steps store: every policy
     emits `ar`'s output at the tier. And the tier is applied: the output leaves native's
     somewhere, every step is recorded at it, and the target's cache held the tier's bytes."""
-    from engine import invariance
-    from engine.kv.tiers import bytes_per_token
+    from engine.runtime import invariance
+    from engine.runtime.kv.tiers import bytes_per_token
 
     cfg = tiny_pair.target.config
     per_token = bytes_per_token(kv_tier, cfg.num_hidden_layers, cfg.num_key_value_heads,
@@ -85,8 +85,8 @@ def test_step_records_are_consistent(tiny_pair):
 
 
 def test_run_summary_of_known_steps():
-    from engine.records import StepRecord
-    from engine.step import summarize
+    from engine.decode.records import StepRecord
+    from engine.decode.step import summarize
 
     def rec(step, k, accepted, emitted):
         return StepRecord(step=step, position=0, k_chosen=k, k_drafted=k, accepted=accepted, emitted=emitted,

@@ -377,7 +377,7 @@ def test_version_8_file_reads_as_the_draft_models_and_takes_every_proposers_rows
     """Migration 9: steps, trace positions and cost rows made before proposers had names were the
     draft model's (a step that drafted nothing names none); afterwards a trace holds a row per
     proposer and position, and a cost table a row per proposer and bucket."""
-    from engine.costs import CostTable
+    from engine.decode.costs import CostTable
 
     path = tmp_path / "v8.duckdb"
     con = duckdb.connect(str(path))

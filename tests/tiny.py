@@ -69,10 +69,10 @@ def synthetic_context(draft_ms: float = 1.0, verify0: float = 10.0, per_token: f
     context is read-only, and fitting the MLP per generation would dominate the tests."""
     import numpy as np
 
-    from engine.costs import CostTable
-    from engine.policies import PolicyContext
-    from engine.records import K_MAX
-    from engine.retrain import fit_mlp
+    from engine.decode.costs import CostTable
+    from engine.decode.policies import PolicyContext
+    from engine.decode.records import K_MAX
+    from engine.training.retrain import fit_mlp
 
     rng = np.random.default_rng(0)
     x = np.column_stack([rng.uniform(0, 4, 400), rng.uniform(0.2, 1, 400), rng.uniform(0, 6, 400),

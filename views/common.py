@@ -7,9 +7,9 @@ from dataclasses import dataclass
 
 import streamlit as st
 
-from engine.common import default_db, one_line
-from engine.models import EMBEDDED_LABEL, load_pair, resolve_device
-from engine.prefix_cache import PrefixCache, spilling
+from engine.base.helpers import default_db, one_line
+from engine.runtime.models import EMBEDDED_LABEL, load_pair, resolve_device
+from engine.runtime.prefix_cache import PrefixCache, spilling
 from engine.service import store_run
 
 _KEYS = {"target": "speclab_target", "draft": "speclab_draft", "db": "speclab_db"}

@@ -11,13 +11,13 @@ import pandas as pd
 import plotly.graph_objects as go
 import streamlit as st
 
-from engine import compare as C
-from engine.generation import GenConfig
-from engine.prompts import WORKBENCH_PROMPT
-from engine.models import KV_TIERS, TIERS
-from engine.policies import DEFAULT_POLICY, POLICY_EXAMPLES, parse_policy
+from engine.lab import side_by_side as C
+from engine.lab.generation import GenConfig
+from engine.datasets.prompts import WORKBENCH_PROMPT
+from engine.runtime.models import KV_TIERS, TIERS
+from engine.decode.policies import DEFAULT_POLICY, POLICY_EXAMPLES, parse_policy
 from engine.service import context_for, replay_rows
-from engine.slots import decode_slot
+from engine.lab.slots import decode_slot
 from views.common import get_pair, save_run, settings, show_error
 from store import Store
 

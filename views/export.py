@@ -7,7 +7,7 @@ import json
 
 import streamlit as st
 
-from engine.export import (KV_TIERS, WEIGHT_TIERS, TunedConfig, default_name, export_bundle, from_run, to_json,
+from engine.service.export import (KV_TIERS, WEIGHT_TIERS, TunedConfig, default_name, export_bundle, from_run, to_json,
                            to_yaml, vllm_fields)
 from engine.service import latest_live_run, save_export, stored_exports
 from views.common import settings, show_error
@@ -92,7 +92,7 @@ def _show(cfg: TunedConfig) -> None:
             st.code(text, language="yaml" if fmt == "yaml" else "json")
             if fmt == "hf":
                 st.caption("`assistant_model` holds the draft's path: load it and pass the model "
-                           "(engine.export.hf_bind also sets the assistant keys on its generation_config, "
+                           "(engine.service.export.hf_bind also sets the assistant keys on its generation_config, "
                            "where transformers reads them).")
             if fmt == "vllm":
                 f = vllm_fields()

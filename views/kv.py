@@ -10,7 +10,7 @@ import plotly.graph_objects as go
 import streamlit as st
 from plotly.subplots import make_subplots
 
-from engine.kv.tuner import GOALS, KV_TIERS, measured_windows, target_name
+from engine.service.kv_tuner import GOALS, KV_TIERS, measured_windows, target_name
 from engine.service import MEASURE_KV_MINUTES, kv_view, latest_kv_measurement, measure_kv
 from views.common import settings, show_error
 

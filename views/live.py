@@ -10,14 +10,14 @@ import plotly.graph_objects as go
 import streamlit as st
 from plotly.subplots import make_subplots
 
-from engine.prompts import WORKBENCH_PROMPT
-from engine.models import KV_TIERS, TIERS
+from engine.datasets.prompts import WORKBENCH_PROMPT
+from engine.runtime.models import KV_TIERS, TIERS
 from engine.service import context_for
-from engine.slots import decode_slot
-from engine.compare import policy_options, proposers_of
-from engine.policies import DEFAULT_POLICY, POLICY_EXAMPLES, make_policy, parse_policy
-from engine.records import PROPOSER_NAMES
-from engine.generation import GenConfig, Generation, encode_prompt, run_row
+from engine.lab.slots import decode_slot
+from engine.lab.side_by_side import policy_options, proposers_of
+from engine.decode.policies import DEFAULT_POLICY, POLICY_EXAMPLES, make_policy, parse_policy
+from engine.decode.records import PROPOSER_NAMES
+from engine.lab.generation import GenConfig, Generation, encode_prompt, run_row
 from views.common import Saved, get_pair, get_prefix_cache, save_run, settings, show_error, show_saved
 
 RESULT_KEY = "live_result"

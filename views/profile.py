@@ -9,10 +9,10 @@ from datetime import date
 import pandas as pd
 import streamlit as st
 
-from engine.jobs import RUNNER, SweepSpec, SweepStatus
-from engine.models import KV_TIERS, TIERS
-from engine.policies import POLICY_EXAMPLES, parse_policy
-from engine.profiling import sweep_jobs
+from engine.service.jobs import RUNNER, SweepSpec, SweepStatus
+from engine.runtime.models import KV_TIERS, TIERS
+from engine.decode.policies import POLICY_EXAMPLES, parse_policy
+from engine.lab.profiling import sweep_jobs
 from engine.service import prompt_set, sweep_table
 from views.common import Settings, _pair, get_pair, settings, show_error
 from store import Store

@@ -12,7 +12,7 @@ import plotly.graph_objects as go
 import streamlit as st
 from plotly.subplots import make_subplots
 
-from engine import runs_view as V
+from engine.service import runs_view as V
 from views.common import settings, show_error
 from store import Store
 

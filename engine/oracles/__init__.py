@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Callable
 
-from engine.records import PROPOSER_NAMES
+from engine.decode.records import PROPOSER_NAMES
 
 # factory(pair, prompt_ids, sampler, verifier, options as written in the policy spec) → Proposer
 Factory = Callable[[object, list[int], object, object, dict[str, str]], object]

@@ -13,11 +13,11 @@ from typing import Callable
 
 import torch
 
-from engine.eagle import EagleHead, HeadCache
-from engine.models import ModelPair
-from engine.records import UNBOUNDED, DraftToken
-from engine.sampling import Sampler, draft_signals
-from engine.step import draft_tokens
+from engine.runtime.eagle_head import EagleHead, HeadCache
+from engine.runtime.models import ModelPair
+from engine.decode.records import UNBOUNDED, DraftToken
+from engine.oracles.sampling import Sampler, draft_signals
+from engine.decode.step import draft_tokens
 
 
 class EagleProposer:

@@ -9,9 +9,9 @@ from __future__ import annotations
 import math
 from typing import Callable
 
-from engine.costs import CostTable
-from engine.records import UNBOUNDED, DraftToken
-from engine.step import ModelledClock, draft_tokens
+from engine.decode.costs import CostTable
+from engine.decode.records import UNBOUNDED, DraftToken
+from engine.decode.step import ModelledClock, draft_tokens
 
 # How the live proposers' `unread` moves, which replay follows. Both read lazily: the prompt at
 # their first draft, then what was emitted since they last read. "draft": the draft model read

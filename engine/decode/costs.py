@@ -1,0 +1,203 @@
+"""Measured step costs (docs/architecture.md, "Costs"): per device, pair, target tier and KV tier, the
+draft's ms per drafted token and the target's verify ms for k = 0..8 drafted tokens, at a few
+context lengths, and each other proposer's ms per drafted token (and catch-up reads). Controllers
+weigh (proposer, draft length) with it; the what-if replay turns steps into seconds with it. Plain
+Python: engine/profiling.py measures it with the models."""
+from __future__ import annotations
+
+import bisect
+import math
+import statistics
+from collections import defaultdict
+from dataclasses import dataclass, field, replace
+from typing import Iterable
+
+from engine.decode.records import K_MAX
+
+CONTEXT_BUCKETS = (64, 256, 512)  # context lengths measured; a step uses the nearest one below
+REPS = 9  # timed forwards per point, in turns with every other point: enough for a steady median
+WARMUP = 2  # rounds discarded before timing: first calls allocate and pick kernels
+CALIBRATE_MIN = 12  # live steps of one draft length before their median ratio is trusted
+
+
+@dataclass
+class DraftCost:
+    """One proposer's drafting costs by context bucket: ms per drafted token (what a live step
+    pays for it, reading the tokens the last verify emitted included), and its catch-up reads as
+    CostTable's (None: it has none, or they were not measured)."""
+
+    ms: list[float]
+    cold_read_ms: list[float] | None = None
+    warm_read_ms: list[float] | None = None
+
+
+@dataclass
+class CostTable:
+    """Median costs by context bucket: draft_ms[b] per drafted token, verify_ms[b][k] for a
+    target forward over k + 1 tokens (k = 0 is a plain decoding step)."""
+
+    buckets: list[int]
+    draft_ms: list[float]
+    verify_ms: list[list[float]]
+    key: dict = field(default_factory=dict)  # device, target, draft, target_tier, draft_tier, kv_tier
+    # Live step time / this table's, per k (see `calibrate`); None: the bare forwards as measured.
+    step_factor: list[float] | None = None
+    # The prefill: reading `bucket` prompt tokens into an empty cache, per bucket, and filling a
+    # cache from the prefix cache, per reused position. None: not measured (older tables).
+    prefill_ms: list[float] | None = None
+    fill_ms: float | None = None
+    # The draft's catch-up reads (its prefill is lazy): reading `bucket` tokens into an empty
+    # cache (a request's prompt, at its first draft), and ms per token read after a cache of
+    # `bucket` tokens (what was emitted since it last drafted). A draft that is not row-invariant
+    # reads the latter row by row: per token, nearly a drafted token's price. None: not measured.
+    cold_read_ms: list[float] | None = None
+    warm_read_ms: list[float] | None = None
+    # The proposers other than the draft model ("eagle", "ngram"), same buckets; the draft's are
+    # the fields above. Tables measured before proposers had names hold the draft's alone.
+    proposer_costs: dict[str, DraftCost] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        assert self.buckets == sorted(self.buckets) and self.buckets, self.buckets
+        assert len(self.draft_ms) == len(self.verify_ms) == len(self.buckets)
+        assert all(len(v) == K_MAX + 1 for v in self.verify_ms), "verify costs need k = 0..8"
+        assert self.step_factor is None or len(self.step_factor) == K_MAX + 1, self.step_factor
+        assert "draft" not in self.proposer_costs and all(len(c.ms) == len(self.buckets)
+                                                          for c in self.proposer_costs.values()), self.proposer_costs
+
+    @property
+    def proposers(self) -> tuple[str, ...]:
+        """The proposers whose drafting this table prices."""
+        return ("draft", *self.proposer_costs)
+
+    def drafting(self, proposer: str = "draft") -> DraftCost:
+        """`proposer`'s drafting costs; ValueError in one line for one the table has not measured."""
+        if proposer == "draft":
+            return DraftCost(self.draft_ms, self.cold_read_ms, self.warm_read_ms)
+        if proposer not in self.proposer_costs:
+            raise ValueError(f"the cost table has no draft costs for proposer {proposer!r} (it has: "
+                             f"{', '.join(self.proposers)}): run `python -m engine costs` for this pair and tier again")
+        return self.proposer_costs[proposer]
+
+    def bucket_of(self, context_len: int) -> int:
+        """Index of the measured context at or below `context_len` (costs are flat within one)."""
+        return max(0, bisect.bisect_right(self.buckets, context_len) - 1)
+
+    def step_ms(self, k: int, context_len: int, proposer: str = "draft") -> float:
+        """One decode step drafting k tokens with `proposer`: k of its drafted tokens and one
+        verify over k + 1 (k = 0: a plain step, whoever would have drafted)."""
+        b = self.bucket_of(context_len)
+        ms = (k * self.drafting(proposer).ms[b] if k else 0.0) + self.verify_ms[b][k]
+        return ms * self.step_factor[k] if self.step_factor else ms
+
+    def draft_part(self, k: int, context_len: int, proposer: str = "draft") -> float:
+        """The drafting share of step_ms (calibrated alike): what replay charges the proposer."""
+        ms = k * self.drafting(proposer).ms[self.bucket_of(context_len)] if k else 0.0
+        return ms * self.step_factor[k] if self.step_factor else ms
+
+    def verify_part(self, k: int, context_len: int) -> float:
+        """The verify share of step_ms: what replay charges the verifier."""
+        ms = self.verify_ms[self.bucket_of(context_len)][k]
+        return ms * self.step_factor[k] if self.step_factor else ms
+
+    def prefill_cost(self, cold: int, reused: int) -> float | None:
+        """ms to start a request: read `cold` prompt tokens after taking `reused` positions from
+        the prefix cache. None without prefill measurements."""
+        if self.prefill_ms is None or self.fill_ms is None:
+            return None
+        return self._along(self.prefill_ms, cold) + reused * self.fill_ms
+
+    def catchup_cost(self, cold: int, warm: int, context_len: int, proposer: str = "draft") -> float | None:
+        """ms for a proposer (the draft model by default) to read what it has not read before it
+        drafts: `cold` tokens into an empty cache and `warm` after its cache. None unmeasured
+        (or a proposer the table does not know)."""
+        if proposer not in self.proposers:
+            return None
+        d = self.drafting(proposer)
+        if d.cold_read_ms is None or d.warm_read_ms is None:
+            return None
+        cold_ms = self._along(d.cold_read_ms, cold) if cold else 0.0
+        return cold_ms + warm * d.warm_read_ms[self.bucket_of(context_len)]
+
+    def _along(self, ms: list[float], tokens: int) -> float:
+        """Per-bucket ms at `tokens`: linear between measured buckets, and beyond them along
+        the slope of the last two."""
+        xs = self.buckets
+        i = min(max(bisect.bisect_right(xs, tokens) - 1, 0), max(len(xs) - 2, 0))
+        slope = (ms[i + 1] - ms[i]) / (xs[i + 1] - xs[i]) if len(xs) > 1 else ms[0] / xs[0]
+        return max(ms[i] + slope * (tokens - xs[i]), 0.0)
+
+    @classmethod
+    def from_rows(cls, rows: list[dict]) -> "CostTable":
+        """From the store's `costs` rows (one per bucket and proposer; rows without a proposer
+        are the draft model's)."""
+        if not rows:
+            raise ValueError("no cost rows: run `python -m engine costs` for this pair and tier first")
+        by: dict[str, list[dict]] = defaultdict(list)
+        for r in rows:
+            by[r["proposer"] if isinstance(r.get("proposer"), str) else "draft"].append(r)
+        rows = sorted(by.pop("draft", []), key=lambda r: r["ctx_bucket"])
+        if not rows:
+            raise ValueError("the cost rows hold no draft model's row: run `python -m engine costs` again")
+        key = {k: rows[0][k] for k in ("device", "target", "draft", "target_tier", "draft_tier")}
+        key["kv_tier"] = rows[0]["kv_tier"] if isinstance(rows[0].get("kv_tier"), str) else "native"
+        factor = rows[0].get("step_factor")
+        per_bucket = lambda name: ([float(r[name]) for r in rows]  # noqa: E731
+                                   if all(_given(r.get(name)) for r in rows) else None)
+        buckets = [int(r["ctx_bucket"]) for r in rows]
+        others = {}
+        for name, theirs in by.items():
+            at = {int(r["ctx_bucket"]): r for r in theirs}
+            assert sorted(at) == buckets, (name, sorted(at), buckets)  # one batch: measured at the same contexts
+            ordered = [at[b] for b in buckets]
+            read = lambda col: ([float(r[col]) for r in ordered]  # noqa: E731
+                                if all(_given(r.get(col)) for r in ordered) else None)
+            others[name] = DraftCost([float(r["draft_ms"]) for r in ordered], read("cold_read_ms"), read("warm_read_ms"))
+        return cls(buckets, [float(r["draft_ms"]) for r in rows],
+                   [[float(x) for x in r["verify_ms"]] for r in rows], key,
+                   [float(x) for x in factor] if _given(factor) else None,
+                   per_bucket("prefill_ms"),
+                   float(rows[0]["fill_ms"]) if _given(rows[0].get("fill_ms")) else None,
+                   per_bucket("cold_read_ms"), per_bucket("warm_read_ms"), others)
+
+    def to_rows(self, reps: int) -> list[dict]:
+        """The store's `costs` rows: the draft's (with the target's costs) per bucket, then each
+        other proposer's drafting costs per bucket (the target's columns NULL there)."""
+        none = [None] * len(self.buckets)
+        rows = [dict(self.key, ctx_bucket=b, proposer="draft", draft_ms=d, verify_ms=v, reps=reps,
+                     step_factor=self.step_factor, prefill_ms=p, fill_ms=self.fill_ms, cold_read_ms=c, warm_read_ms=w)
+                for b, d, v, p, c, w in zip(self.buckets, self.draft_ms, self.verify_ms, self.prefill_ms or none,
+                                            self.cold_read_ms or none, self.warm_read_ms or none)]
+        for name, d in self.proposer_costs.items():
+            rows += [dict(self.key, ctx_bucket=b, proposer=name, draft_ms=ms, verify_ms=None, reps=reps,
+                          step_factor=None, prefill_ms=None, fill_ms=None, cold_read_ms=c, warm_read_ms=w)
+                     for b, ms, c, w in zip(self.buckets, d.ms, d.cold_read_ms or none, d.warm_read_ms or none)]
+        return rows
+
+
+def _given(value) -> bool:
+    """A stored value, not a NULL (pandas reads NULL as None or NaN)."""
+    return value is not None and not (isinstance(value, float) and math.isnan(value))
+
+
+def calibrate(table: CostTable, live: Iterable[tuple]) -> CostTable:
+    """`table` scaled to what the engine's own decode steps took. `live` holds (k drafted,
+    context length, draft + verify ms[, proposer]) of stored steps (no proposer: the draft's;
+    steps of a proposer the table has not measured are left out); per k the factor is the
+    median of live / measured, whoever drafted. A live step pays what the bare forwards do not: the draft's catch-up read of the
+    tokens emitted since it last drafted, the accept loop, cache crops, and more so for short
+    steps: controllers that weigh the bare forwards speculate where it does not pay
+    (`bench controllers live` prints the factors). A k with fewer than CALIBRATE_MIN steps takes
+    the factor of the nearest drafting k that has them (k = 0 keeps 1.0 without its own)."""
+    bare = replace(table, step_factor=None)
+    ratios: dict[int, list[float]] = defaultdict(list)
+    for k, context_len, ms, *who in live:
+        proposer = who[0] if who and who[0] else "draft"
+        if 0 <= k <= K_MAX and ms > 0 and (k == 0 or proposer in bare.proposers):
+            ratios[k].append(ms / bare.step_ms(k, context_len, proposer))
+    have = {k: statistics.median(v) for k, v in ratios.items() if len(v) >= CALIBRATE_MIN}
+    drafting = sorted(k for k in have if k > 0)
+    if not drafting:
+        raise ValueError(f"too few live steps to calibrate costs (need {CALIBRATE_MIN} that drafted the same k): "
+                         "profile this pair and tier first, e.g. `python -m engine profile --policies ar,fixed:1,fixed:2,fixed:4`")
+    factor = [have.get(0, 1.0)] + [have[min(drafting, key=lambda j: (abs(j - k), j))] for k in range(1, K_MAX + 1)]
+    return replace(table, step_factor=factor)

@@ -1,0 +1,61 @@
+"""How far speculative output strays from plain decoding at one tier, and output with prefix
+reuse from output without.
+
+Where the target's kernels are batch-invariant (fp32, bf16 on CPU) the two are identical. The
+bitsandbytes int8/nf4 kernels are not: a (k+1)-token verify forward and k+1 one-token forwards
+round differently, so a near-tie can flip. The engine stays exact with respect to its own verify
+logits; this measures, per tier, what that costs against plain decoding. Prefix reuse reads a
+prompt's tail after positions another request's batches computed: the same question."""
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+from engine.runtime.models import ModelPair
+from engine.decode.policies import make_policy
+from engine.lab.generation import Generation, GenConfig, encode_messages, encode_prompt
+from engine.runtime.prefix_cache import PrefixCache
+
+
+@dataclass
+class Divergence:
+    tier: str
+    policy: str
+    prompts: int
+    identical_fraction: float  # prompts whose speculative output equals plain decoding
+    first_divergence: list[int | None]  # per prompt: first differing position, None if identical
+    tokens_compared: int
+    reuse_identical_fraction: float  # prompts whose follow-up, reusing the prompt's KV, equals it recomputed
+    reuse_first_divergence: list[int | None]
+
+
+def first_difference(a: list[int], b: list[int]) -> int | None:
+    for i, (x, y) in enumerate(zip(a, b)):
+        if x != y:
+            return i
+    return None if len(a) == len(b) else min(len(a), len(b))
+
+
+FOLLOW_UP = "Now say it again in fewer words."
+
+
+def measure(pair: ModelPair, prompts: list[str], policy: str, max_new_tokens: int) -> Divergence:
+    cfg = GenConfig(max_new_tokens=max_new_tokens)
+    firsts, reuse_firsts, compared = [], [], 0
+    for prompt in prompts:
+        ids = encode_prompt(pair.tokenizer, prompt, chat=True)
+        plain = Generation(pair, ids, make_policy("ar"), cfg).run().token_ids
+        spec = Generation(pair, ids, make_policy(policy), cfg).run().token_ids
+        firsts.append(first_difference(plain, spec))
+        compared += len(plain)
+        # A second turn re-sending the first: with reuse it reads only what the first run did not.
+        turn = encode_messages(pair.tokenizer, [{"role": "user", "content": prompt},
+                                                {"role": "assistant", "content": pair.tokenizer.decode(plain, skip_special_tokens=True)},
+                                                {"role": "user", "content": FOLLOW_UP}])
+        cache = PrefixCache()
+        Generation(pair, ids, make_policy(policy), cfg, prefix=cache).run()
+        reused = Generation(pair, turn, make_policy(policy), cfg, prefix=cache).run().token_ids
+        recomputed = Generation(pair, turn, make_policy(policy), replace(cfg, reuse=False)).run().token_ids
+        reuse_firsts.append(first_difference(recomputed, reused))
+    n = len(prompts)
+    return Divergence(pair.target_tier, policy, n, sum(f is None for f in firsts) / n, firsts, compared,
+                      sum(f is None for f in reuse_firsts) / n, reuse_firsts)

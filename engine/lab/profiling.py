@@ -1,0 +1,283 @@
+"""Measuring a pair: acceptance traces, cost tables, and profiling sweeps, all through the
+model-backed oracles a live run uses (docs/architecture.md, "Traces and replay", "Costs").
+
+A trace records, at every position p of the target's greedy output, what every proposer the
+pair has proposes from there: its k_max greedy tokens, their entropy/confidence, L(p) (how many
+of them match the output) and its lookahead. It is one live run of plain decoding in which,
+before each target step, every proposer drafts k_max tokens and then hears that none stood and
+the target's token followed. The draft reads the prompt alone, then one token at a time; a live
+run's catch-up reads several at once, which the draft's row-invariant forward computes bit for
+bit alike, so any policy replays over a trace exactly (engine/whatif.py)."""
+from __future__ import annotations
+
+import itertools
+import statistics
+import time
+from dataclasses import asdict, dataclass
+from typing import Callable, Iterable
+
+import torch
+
+from engine.base.helpers import median_ms
+from engine.decode.costs import CONTEXT_BUCKETS, REPS, WARMUP, CostTable, DraftCost
+from engine.runtime.forward import crop_to, forward_logits, sync_device
+from engine.runtime.kv.cache import new_cache
+from engine.lab.generation import GenConfig, Generation, encode_prompt, run_row
+from engine.runtime.models import ModelPair
+from engine.oracles import PROPOSERS, available, build
+from engine.oracles.model import DraftModelProposer, TargetVerifier, draft_read, target_reads
+from engine.runtime.prefix_cache import fill, kv_of
+from engine.decode.policies import K_MAX, make_policy
+from engine.decode.records import UNBOUNDED, DraftToken
+from engine.oracles.sampling import Sampler, warp
+
+
+@dataclass
+class Trace:
+    """One traced prompt: the `traces` row and its `trace_positions` rows (store/schema.py)."""
+
+    row: dict
+    positions: list[dict]
+
+
+def _always(j: int, token: DraftToken) -> bool:
+    return True
+
+
+@torch.inference_mode()
+def trace(pair: ModelPair, prompt: str, task: str | None = None, max_new_tokens: int = 128,
+          chat: bool = True, k_max: int = K_MAX, temperature: float | None = None,
+          kv_tier: str = "native", proposers: tuple[str, ...] | None = None) -> Trace:
+    """The target's greedy output for `prompt` (its KV cache at `kv_tier`) and every proposer's
+    (`proposers`, default: all the pair has) k_max-token proposals along it. With `temperature`,
+    each position also gets Σ min(p, q) of the warped first-token laws (the acceptance
+    probability speculative sampling would have there), for proposers whose tokens carry a law."""
+    ids = encode_prompt(pair.tokenizer, prompt, chat)
+    Generation(pair, ids, make_policy("ar"), GenConfig(max_new_tokens=max_new_tokens, kv_tier=kv_tier))  # checks them as a run does
+    sampler = Sampler(0.0, 1.0, None, pair.device)
+    verifier = TargetVerifier(pair, ids, sampler, kv_tier=kv_tier)
+    props = build(pair, ids, sampler, verifier, proposers)
+    # Plain decoding, as `ar` runs it: the same budget, the same target steps, so `out` is
+    # exactly what plain decoding emits at this KV tier. Before each step every proposer drafts
+    # k_max tokens from the context and is then told that none stood (update(0, [token])): a
+    # step a live run could take, so each proposer is in the state a live run leaves it at that
+    # context, whatever it drafted before (the exactness duty, docs/architecture.md).
+    budget = min(max_new_tokens, pair.max_context - len(ids))
+    first = verifier.prefill()
+    for prop in props.values():
+        prop.update(0, [first])
+    out, drafts = [first], []
+    while not verifier.ended and len(out) < budget:
+        drafts.append({name: (prop.lookahead(), prop.propose(k_max, _always)) for name, prop in props.items()})
+        _, emitted = verifier.verify([])
+        for prop in props.values():
+            prop.update(0, emitted)
+        out.extend(emitted)
+    q = _target_laws(pair, ids, out, temperature, kv_tier) if temperature else None  # [N, V]
+    positions = [_position(p, name, lookahead, drafted, out, len(ids), q, temperature)
+                 for p, at in enumerate(drafts, start=1) for name, (lookahead, drafted) in at.items()]
+    stop = "eos" if verifier.ended else "max_new_tokens" if budget == max_new_tokens else "context"
+    row = dict(target=pair.target_name, draft=pair.draft_name, target_tier=pair.target_tier,
+               draft_tier=pair.draft_tier, kv_tier=kv_tier, device=str(pair.device), prompt=prompt, task=task, chat=chat,
+               max_new_tokens=max_new_tokens, k_max=k_max, prompt_ids=ids, token_ids=out,
+               stop_reason=stop, config=dict(temperature=temperature, proposers=list(props)))
+    return Trace(row, positions)
+
+
+def _position(p: int, name: str, lookahead: int, drafted: list[DraftToken], out: list[int], n_prompt: int,
+              q: torch.Tensor | None, temperature: float | None) -> dict:
+    """One proposer's trace_positions row at position p: its proposal and L(p)."""
+    n = 0
+    while n < len(drafted) and p + n < len(out) and drafted[n].token_id == out[p + n]:
+        n += 1
+    accept_prob = None
+    if q is not None and drafted and drafted[0].p is not None:  # the greedy law p; warped: ∝ p^(1/T)
+        p_warped = torch.softmax(torch.log(drafted[0].p) / temperature, dim=-1)
+        accept_prob = float(torch.minimum(p_warped, q[p]).sum())
+    elif q is not None and drafted:  # a deterministic proposal (one-hot p, given as None): accepted with q(x)
+        accept_prob = float(q[p][drafted[0].token_id])
+    return dict(position=p, proposer=name, accept_len=n, draft_ids=[d.token_id for d in drafted],
+                entropies=[d.entropy for d in drafted], confidences=[d.confidence for d in drafted],
+                accept_prob=accept_prob, context_len=n_prompt + p, lookahead=min(lookahead, UNBOUNDED))
+
+
+def _target_laws(pair, ids, out, temperature, kv_tier: str = "native") -> torch.Tensor:
+    """q at every output position p (the law of out[p] given the prefix): [N, V]."""
+    with target_reads(pair, kv_tier)():
+        logits, _ = forward_logits(pair.target, ids + out[:-1], new_cache(pair.target, kv_tier), len(out), pair.vocab_size)
+    return warp(logits, temperature, 1.0)
+
+
+# Plain steps before the timed draft that prices another proposer's warm catch-up: each is a target
+# forward per repetition, and the catch-up per token is linear enough that two show it.
+WARM_STEPS = 2
+
+
+@torch.inference_mode()
+def measure_costs(pair: ModelPair, buckets: tuple[int, ...] = CONTEXT_BUCKETS, reps: int = REPS,
+                  progress: Callable[[str], None] = lambda m: None, kv_tier: str = "native",
+                  proposers: tuple[str, ...] | None = None) -> CostTable:
+    """Times the live oracles on a context of `bucket` random tokens: one drafted token (a draft
+    forward, its law and signals), a verify of k = 0..8 drafted tokens (the target forward under
+    the pair's verify mode, acceptance, roll-back), the target's prefill and the draft's catch-up
+    reads (the bucket's tokens into an empty cache; K_MAX tokens after them); and filling a cache from the prefix cache, per position. Medians after warm-up.
+    Each other proposer (`proposers`, default: all the pair has) is timed in the same turns as a
+    live run drives it (`_Driven`). The target's cache is at `kv_tier`: its reads dequantize the
+    context (the draft's stays native)."""
+    dev = pair.device
+    buckets = tuple(b for b in buckets if b + K_MAX + 2 <= pair.max_context) or (min(buckets),)
+    others = [n for n in (proposers or available(pair)) if n != "draft"]
+    gen = torch.Generator().manual_seed(0)
+    sampler = Sampler(0.0, 1.0, None, dev)
+    sync = lambda: sync_device(dev)  # noqa: E731
+    draft_ms, verify_ms, prefill_ms, cold_read_ms, warm_read_ms = [], [], [], [], []
+    other_ms: dict[str, list[list[float]]] = {n: [] for n in others}  # per bucket: (cold, draft, warm) propose ms
+    reads = target_reads(pair, kv_tier)
+
+    def prefill(ids: list[int]) -> None:  # the target reads a prompt into an empty cache at the tier
+        with reads():
+            forward_logits(pair.target, ids, new_cache(pair.target, kv_tier), 1, pair.vocab_size)
+
+    for b in buckets:
+        progress(f"costs at context {b}")
+        ids = torch.randint(0, pair.vocab_size, (b + 1 + K_MAX,), generator=gen).tolist()
+        proposer = DraftModelProposer(pair, ids[:b], sampler)
+        verifier = TargetVerifier(pair, ids[:b], sampler, kv_tier=kv_tier)
+        verifier.prefill()
+        verifier.rewind(b + 1)
+        proposer.update(0, ids[b : b + 1])
+
+        def draft_one() -> None:
+            proposer.propose(1, _always)
+            proposer.rewind(b, ids[b : b + 1])
+
+        def warm_read() -> None:  # K_MAX tokens after the b-token cache, then back
+            draft_read(pair, ids[b + 1 :], proposer.cache)
+            crop_to(proposer.cache, b)
+
+        def verify(k: int) -> None:
+            verifier.verify([DraftToken(x, 0.0, 0.0) for x in ids[b + 1 : b + 1 + k]])
+            verifier.rewind(b + 1)
+
+        driven = [_Driven(pair, name, ids[:b], sampler, kv_tier) for name in others]
+        # In turns, so that a slow spell of the machine cannot make one k look cheaper than another.
+        timed = [(draft_one, None), *((lambda k=k: verify(k), None) for k in range(K_MAX + 1)),
+                 (lambda: prefill(ids[:b]), None), (lambda: draft_read(pair, ids[:b], None), None), (warm_read, None)]
+        for d in driven:  # a fresh one's first draft, one after a verify, one after WARM_STEPS plain steps
+            timed += [(d.propose, d.step), (d.propose, lambda d=d: d.step(WARM_STEPS)), (d.propose, d.fresh)]
+        ms = _medians_ms(timed, reps, WARMUP, sync)
+        draft_ms.append(ms[0])
+        verify_ms.append(ms[1 : K_MAX + 2])
+        prefill_ms.append(ms[K_MAX + 2])
+        cold_read_ms.append(ms[K_MAX + 3])
+        warm_read_ms.append(ms[K_MAX + 4] / K_MAX)
+        for i, name in enumerate(others):
+            other_ms[name].append(ms[K_MAX + 5 + 3 * i : K_MAX + 8 + 3 * i])
+    stored = kv_of(verifier.cache, buckets[-1])
+    fill_ms = median_ms(lambda: fill(new_cache(pair.target, kv_tier), stored, buckets[-1]), reps, WARMUP, sync) / buckets[-1]
+    key = dict(device=str(dev), target=pair.target_name, draft=pair.draft_name,
+               target_tier=pair.target_tier, draft_tier=pair.draft_tier, kv_tier=kv_tier)
+    return CostTable(list(buckets), draft_ms, verify_ms, key, prefill_ms=prefill_ms, fill_ms=fill_ms,
+                     cold_read_ms=cold_read_ms, warm_read_ms=warm_read_ms,
+                     proposer_costs={n: _draft_cost(per_bucket) for n, per_bucket in other_ms.items()})
+
+
+class _Driven:
+    """A proposer other than the draft model, timed as a live run drives it (through the Proposer
+    protocol alone, so any proposer can be measured): with a verifier of its own on the bucket's
+    context, each timed draft of one token is verified and its outcome told (`step`), so the next
+    one reads what a live step's draft reads; `fresh` starts anew (its first draft reads the
+    prompt: the cold catch-up) and keeps the context within the bucket."""
+
+    def __init__(self, pair: ModelPair, name: str, ids: list[int], sampler: Sampler, kv_tier: str) -> None:
+        self.pair, self.name, self.ids, self.sampler = pair, name, ids, sampler
+        self.verifier = TargetVerifier(pair, ids, sampler, kv_tier=kv_tier)
+        self.first = self.verifier.prefill()
+        self._start()
+
+    def _start(self) -> None:
+        # The prefill is done once: rewinding to it (cache and features cropped) is the state a
+        # fresh prefill leaves, without paying a prompt read per timed round.
+        self.verifier.rewind(len(self.ids) + 1)
+        self.proposer = PROPOSERS[self.name](self.pair, self.ids, self.sampler, self.verifier, {})
+        self.proposer.update(0, [self.first])
+        self.drafted: list[DraftToken] = []
+
+    def propose(self) -> None:
+        self.drafted = self.proposer.propose(1, _always)
+
+    def step(self, plain: int = 0) -> None:
+        """Verifies the last draft and tells the proposer, then `plain` plain target steps."""
+        n, emitted = self.verifier.verify(self.drafted)
+        self.proposer.update(n, emitted)
+        for _ in range(plain):
+            _, emitted = self.verifier.verify([])
+            self.proposer.update(0, emitted)
+
+    def fresh(self) -> None:
+        self.step()  # the last draft's outcome is told, as in any run, before starting anew
+        self._start()
+
+
+def _draft_cost(per_bucket: list[list[float]]) -> DraftCost:
+    """(cold, draft, warm) propose ms per bucket → a DraftCost: ms per drafted token is a draft
+    after a verify; the cold read what a fresh one's first draft adds (the prompt), the warm one
+    per token what WARM_STEPS plain steps before a draft add."""
+    return DraftCost([d for _, d, _ in per_bucket], [max(c - d, 0.0) for c, d, _ in per_bucket],
+                     [max(w - d, 0.0) / WARM_STEPS for _, d, w in per_bucket])
+
+
+def _medians_ms(timed: list[tuple[Callable[[], object], Callable[[], object] | None]], reps: int, warmup: int,
+                sync: Callable[[], None]) -> list[float]:
+    """common.medians_ms over (timed, then untimed) pairs: each round calls every pair in turn,
+    timing only the first function (the second sets up the next call: a proposer's verify)."""
+    times: list[list[float]] = [[] for _ in timed]
+    for r in range(warmup + reps):
+        for (fn, then), ts in zip(timed, times):
+            sync()
+            t0 = time.perf_counter()
+            fn()
+            sync()
+            if r >= warmup:
+                ts.append((time.perf_counter() - t0) * 1e3)
+            if then is not None:
+                then()
+    return [statistics.median(ts) for ts in times]
+
+
+# -- sweeps ----------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Job:
+    tier: str  # the target's weight tier
+    task: str
+    prompt: str
+    policy: str
+    kv_tier: str = "native"  # the target's KV cache tier
+
+    @property
+    def key(self) -> tuple[str, str, str, str]:
+        """What a stored run of the sweep is matched on: (tier, KV tier, prompt, policy)."""
+        return (self.tier, self.kv_tier, self.prompt, self.policy)
+
+
+def sweep_jobs(prompts: Iterable[tuple[str, str]], tiers: list[str], policies: list[str],
+               kv_tiers: Iterable[str] = ("native",)) -> list[Job]:
+    """Tier-major (a tier's models load once), then KV tier (a policy context per KV tier), then
+    prompt, then policy."""
+    prompts, kv_tiers = list(prompts), list(kv_tiers)
+    return [Job(t, task, p, pol, kv) for t, kv, (task, p), pol in itertools.product(tiers, kv_tiers, prompts, policies)]
+
+
+def run_job(pair: ModelPair, job: Job, context, max_new_tokens: int, chat: bool = True) -> tuple[dict, list[dict]]:
+    """One live run of a sweep: its `runs` row and `steps` rows."""
+    ids = encode_prompt(pair.tokenizer, job.prompt, chat)
+    cfg = GenConfig(max_new_tokens=max_new_tokens, kv_tier=job.kv_tier)
+    gen = Generation(pair, ids, make_policy(job.policy, context), cfg).run()
+    row = run_row(gen, job.prompt, job.policy, chat, job.task)
+    return row, [asdict(r) for r in gen.records]
+
+
+def pending(jobs: list[Job], done: set[tuple[str, str, str, str]]) -> list[Job]:
+    """Jobs whose (tier, KV tier, prompt, policy) has no stored run in this sweep yet: a rerun resumes."""
+    return [j for j in jobs if j.key not in done]
+

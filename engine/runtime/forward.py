@@ -1,0 +1,52 @@
+"""The one model forward every part of the engine calls (decode, traces, cost measurement, the
+invariance probes), cache roll-back, and the device clock."""
+from __future__ import annotations
+
+import time
+
+import torch
+
+from engine.runtime.kv.cache import new_cache
+
+
+def forward_logits(model: torch.nn.Module, ids: list[int], cache, keep: int, vocab: int | None = None,
+                   gather: bool = False) -> tuple[torch.Tensor, object]:
+    """Reads `ids` after what `cache` holds (a new cache when None). Returns logits [keep, V]
+    (float32, the first `vocab` ids) for the last `keep` of `ids`, and the cache.
+
+    gather: copy the kept rows into a block of their own before the LM head, for the draft's
+    reads. HF slices them out of [1, S, H] as a view, and the head's matmul then depends on the
+    read's length: for a 1-row view a kernel that rounds differently, for several rows a bmm
+    path that first copies the whole transposed head (49152 × 576 on SmolLM2). A gathered block
+    takes one path whatever the read's length, which the draft's row invariance needs."""
+    x = torch.tensor([ids], device=model.device)  # [B=1, S]
+    if cache is None:
+        cache = new_cache(model)
+    rows = torch.arange(len(ids) - keep, len(ids), device=model.device) if gather else keep
+    out = model(input_ids=x, cache=cache, use_cache=True, logits_to_keep=rows)
+    return out.logits[0, :, :vocab].float(), out.cache  # [keep, V]
+
+
+def crop_to(cache, length: int) -> None:
+    """Roll `cache` back to its first `length` tokens."""
+    extra = cache.get_seq_length() - length
+    assert extra >= 0, (cache.get_seq_length(), length)
+    if extra:
+        cache.crop(-extra)  # transformers ≥ 5: a negative count removes that many trailing tokens
+
+
+def sync_device(device: torch.device) -> None:
+    # CUDA runs asynchronously: read a clock only once the queued kernels are done.
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+class WallClock:
+    """Milliseconds on the wall, read after the device has finished its queued work."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+
+    def __call__(self) -> float:
+        sync_device(self.device)
+        return time.perf_counter() * 1e3

