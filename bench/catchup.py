@@ -16,20 +16,17 @@ import copy
 import dataclasses
 import json
 import sys
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import torch
 
-import torch  # noqa: E402
-
-from engine.runtime import invariance  # noqa: E402
-from engine.service.options import add_model_args  # noqa: E402
-from engine.runtime.models import ModelPair, load_pair  # noqa: E402
-from engine.datasets.prompts import heldout  # noqa: E402
-from engine.base.helpers import median_ms  # noqa: E402
-from engine.runtime.forward import crop_to, forward_logits, sync_device  # noqa: E402
-from engine.lab.generation import encode_prompt  # noqa: E402
-from engine.oracles.model import draft_read  # noqa: E402
+from engine.base.helpers import median_ms
+from engine.datasets.prompts import heldout
+from engine.lab.generation import encode_prompt
+from engine.oracles.model import draft_read
+from engine.runtime import invariance
+from engine.runtime.forward import crop_to, forward_logits, sync_device
+from engine.runtime.models import ModelPair, load_pair
+from engine.service.options import add_model_args
 
 SIZES = (1, 8, 32, 64)
 

@@ -22,15 +22,15 @@ import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import numpy as np
 
-import numpy as np  # noqa: E402
+from engine.base.names import DATA_DIR
 
 VERIFY = ("auto", "exact", "fast")  # engine.service.options.VERIFY_MODES (imported there with torch)
 
 PAPER_DECISION_MS = 0.336
 CALIBRATION_POLICIES = ("ar", "fixed:1", "fixed:2", "fixed:4")
-SPECKV_CSV = Path(__file__).resolve().parents[1] / "engine" / "data" / "speckv-phase2" / "phase2_step_results.csv"
+SPECKV_CSV = DATA_DIR / "speckv-phase2" / "phase2_step_results.csv"
 
 
 def decision(csv: Path, n: int = 5000) -> dict:
@@ -38,8 +38,12 @@ def decision(csv: Path, n: int = 5000) -> dict:
 
     from engine.base.helpers import median_ms
     from engine.datasets.speckv import import_speckv
+    from engine.decode.acceptance import (
+        PAPER_CANDIDATES,
+        feature_rows,
+        tokens_from_rate,
+    )
     from engine.decode.policies.speckv import SpeckvPolicy
-    from engine.decode.acceptance import PAPER_CANDIDATES, feature_rows, tokens_from_rate
     from engine.decode.records import DecodeState
     from engine.training.retrain import fit_mlp, from_speckv_steps
     from store import Store
@@ -80,10 +84,18 @@ def split_heldout(prompts: list[tuple[str, str]], n_train: int, n_eval: int) -> 
 
 def live(a: argparse.Namespace) -> dict:
     from engine.datasets import prompts as P
-    from engine.service.options import VERIFY_MODES
-    from engine.runtime.models import load_pair
     from engine.lab.profiling import Job, run_job
-    from engine.service import calibrate_costs, cost_key, cost_table, policy_context, retrain, sweep_table, trace_prompts
+    from engine.runtime.models import load_pair
+    from engine.service import (
+        calibrate_costs,
+        cost_key,
+        cost_table,
+        policy_context,
+        retrain,
+        sweep_table,
+        trace_prompts,
+    )
+    from engine.service.options import VERIFY_MODES
     from store import Store
 
     db = a.db or str(Path(tempfile.mkdtemp(prefix="speclab-bench-")) / "controllers.duckdb")

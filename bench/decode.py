@@ -11,18 +11,15 @@ import argparse
 import json
 import sys
 import time
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import torch
 
-import torch  # noqa: E402
-
-from engine.service.options import add_model_args  # noqa: E402
-from engine.runtime.models import ModelPair, load_pair  # noqa: E402
-from engine.decode.policies import make_policy  # noqa: E402
-from engine.datasets.prompts import bench_prompts  # noqa: E402
-from engine.runtime.forward import sync_device  # noqa: E402
-from engine.lab.generation import Generation, GenConfig, encode_prompt  # noqa: E402
+from engine.datasets.prompts import bench_prompts
+from engine.decode.policies import make_policy
+from engine.lab.generation import GenConfig, Generation, encode_prompt
+from engine.runtime.forward import sync_device
+from engine.runtime.models import ModelPair, load_pair
+from engine.service.options import add_model_args
 
 
 def _hf(pair: ModelPair, ids: list[int], max_new: int, assisted: bool) -> list[int]:

@@ -37,23 +37,20 @@ import statistics
 import sys
 import time
 from dataclasses import dataclass, field, replace
-from pathlib import Path
 from typing import Callable
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import torch
 
-import torch  # noqa: E402
-
-from engine.service.options import add_model_args  # noqa: E402
-from engine.base.helpers import median_ms  # noqa: E402
-from engine.lab.divergence import first_difference  # noqa: E402
-from engine.runtime.forward import sync_device  # noqa: E402
-from engine.lab.generation import GenConfig, Generation, encode_prompt  # noqa: E402
-from engine.runtime.kv.cache import new_cache  # noqa: E402
-from engine.runtime.models import EXACT_VERIFY_TIERS, ModelPair, load_pair  # noqa: E402
-from engine.oracles import available  # noqa: E402
-from engine.decode.policies import PolicyContext, make_policy  # noqa: E402
-from engine.datasets.prompts import heldout  # noqa: E402
+from engine.base.helpers import median_ms
+from engine.datasets.prompts import heldout
+from engine.decode.policies import PolicyContext, make_policy
+from engine.lab.divergence import first_difference
+from engine.lab.generation import GenConfig, Generation, encode_prompt
+from engine.oracles import available
+from engine.runtime.forward import sync_device
+from engine.runtime.kv.cache import new_cache
+from engine.runtime.models import EXACT_VERIFY_TIERS, ModelPair, load_pair
+from engine.service.options import add_model_args
 
 HF_ASSISTED = ("constant:2", "constant:4", "heuristic")  # HF assisted settings timed by default
 HF_ASSISTED_KNOWN = "constant:K (K tokens a step, no confidence stop), heuristic (HF's +2/−1 schedule from 4), " \

@@ -12,14 +12,12 @@ import sys
 import tempfile
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import torch
 
-import torch  # noqa: E402
-
-from bench.draft import per_token_ms  # noqa: E402
-from engine.training import distill  # noqa: E402
-from engine.runtime.draft_model import build_draft  # noqa: E402
-from engine.runtime.models import load_model  # noqa: E402
+from bench.draft import per_token_ms
+from engine.runtime.draft_model import build_draft
+from engine.runtime.models import load_model
+from engine.training import distill
 
 
 class _Quiet:

@@ -24,9 +24,8 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from engine.service.options import add_db_arg  # noqa: E402
+from engine.base.names import EMBEDDED_LABEL
+from engine.service.options import add_db_arg
 
 BANDWIDTHS = (0.1, 0.3, 1.0, 3.0, 10.0, 30.0, 100.0)  # Gbit/s
 CHECK_GBIT_S = 1.0  # the bandwidth of the one real, sleeping-link restore that checks the model
@@ -218,9 +217,9 @@ def acceptance(a) -> list[dict]:
     """Per (weight tier × KV tier): traces of held-out prompts, replayed under each fixed γ with
     that tier's cost table; acceptance is the share of positions whose first drafted token the
     target kept (what α a controller sees)."""
+    from engine.lab.profiling import measure_costs
     from engine.runtime.kv.tiers import KV_TIERS
     from engine.runtime.models import load_pair
-    from engine.lab.profiling import measure_costs
     from engine.service import prompt_set, replay_all, trace_prompts
     from store import Store
 
@@ -258,12 +257,12 @@ def acceptance(a) -> list[dict]:
 
 
 def parse(argv: list[str] | None) -> argparse.Namespace:
-    from engine.runtime.models import TIERS
+    from engine.base.names import WEIGHT_TIERS
 
     p = argparse.ArgumentParser(prog="bench kv", description=__doc__.splitlines()[0])
     p.add_argument("--target", default=None, help="HF id or local dir (default: the embedded model)")
     p.add_argument("--draft", default=None, help="the draft for the acceptance table (default: the target's own)")
-    p.add_argument("--target-tier", default="bf16", choices=TIERS, help="the tier whose KV is coded")
+    p.add_argument("--target-tier", default="bf16", choices=WEIGHT_TIERS, help="the tier whose KV is coded")
     p.add_argument("--device", default=None)
     p.add_argument("--predictors", default="q8_0,int8,nf4", help="comma-separated: q8_0, int8, nf4")
     p.add_argument("--context", type=int, default=2048, help="tokens of held-out text coded")
@@ -309,7 +308,7 @@ def run(argv: list[str] | None = None) -> dict:
     limit = int(getattr(target.config.get_text_config(), "max_position_embeddings", 1 << 30))
     if max([a.context] + a.contexts) > limit:
         raise ValueError(f"a context of {max([a.context] + a.contexts)} tokens is over the target's {limit}")
-    name = Path(a.target).name if a.target else "SmolLM2-135M-Instruct"
+    name = Path(a.target).name if a.target else EMBEDDED_LABEL
     res = dict(target=name, target_tier=a.target_tier, device=str(device), threads=torch.get_num_threads())
     res.update(coding(a, target, tokenizer))
     del target

@@ -22,11 +22,8 @@ import json
 import statistics
 import sys
 import time
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from engine.service.options import add_model_args  # noqa: E402
+from engine.service.options import add_model_args
 
 CONFIGS = {"no reuse": ("ar", False), "reuse-only": ("reuse-only", True), "joint:4": ("joint:4", True),
            "rakv": ("rakv", True)}
@@ -42,8 +39,7 @@ QUESTIONS = ("Summarize the document above in three sentences.", "List the main 
 def workloads(tokenizer, n: int, doc_tokens: int, system_tokens: int) -> dict[str, list]:
     """Name → requests, each a list of chat messages (and held-out first questions to calibrate
     on). Real text throughout; the long document and the system prompt are cut to a token count."""
-    from engine.datasets import humaneval
-    from engine.datasets import sharegpt
+    from engine.datasets import humaneval, sharegpt
 
     def count(text: str) -> int:
         return len(tokenizer(text, add_special_tokens=False)["input_ids"])
@@ -92,9 +88,9 @@ def calibrated(pair, st, prompts: list[str], max_new: int):
 
 def request(pair, ids: list[int], spec: str, reuse: bool, cache, ctx, max_new: int) -> dict:
     """One request under one configuration, timed whole: storing its state counts too."""
-    from engine.runtime.forward import sync_device
-    from engine.lab.generation import GenConfig, Generation
     from engine.decode.policies import make_policy
+    from engine.lab.generation import GenConfig, Generation
+    from engine.runtime.forward import sync_device
 
     gc.collect()  # the previous request's garbage is not this one's to collect
     t0 = time.perf_counter()

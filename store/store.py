@@ -19,13 +19,27 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from . import staging
-from .connection import (MEMORY, LockedError, acquire, connect_with_wait, insert, release,
-                         transaction, unreadable)
+from .connection import (
+    MEMORY,
+    LockedError,
+    acquire,
+    connect_with_wait,
+    insert,
+    release,
+    transaction,
+    unreadable,
+)
 from .errors import StoreError, reason
 from .rows import to_table
 from .schema import check_readable, columns, migrate
 from .staging import StagedWrite
-from .tables import COST_KEY, latest_costs_sql, pack_params, prepare_costs, unpack_params
+from .tables import (
+    COST_KEY,
+    latest_costs_sql,
+    pack_params,
+    prepare_costs,
+    unpack_params,
+)
 
 # DuckDB gives int64 for an integer column without NULLs and Int64 with them; callers
 # concatenating or comparing frames need the same dtype whatever the data.

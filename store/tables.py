@@ -16,7 +16,7 @@ from .errors import StoreError
 from .rows import to_table
 
 # What identifies a cost measurement; costs() keeps the newest batch per key.
-COST_KEY = ("device", "target", "draft", "target_tier", "draft_tier", "kv_tier")
+COST_KEY = ("device", "target", "draft", "target_tier", "draft_tier", "kv_tier")  # engine.base.names.COST_KEY
 # np.savez's own parameter names cannot be used as array names.
 _RESERVED = ("file", "allow_pickle")
 

@@ -1,16 +1,13 @@
 import os
-import sys
 from pathlib import Path
 
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(Path(__file__).parent))
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")  # before transformers is imported (tiny imports it)
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
-from tiny import save_tiny_llama  # noqa: E402
+from tiny import save_tiny_llama  # noqa: E402  (tests/ is on sys.path: pytest puts a rootdir conftest's folder there)
 
 
 @pytest.fixture(scope="session")

@@ -55,9 +55,9 @@ def _slower(runner, names, by_s=1.0):
 
 
 def test_draft_bench_reports_what_the_issue_asks(tiny_dirs, eagle_tiny, monkeypatch):
-    from engine.runtime.models import load_pair
-
     import dataclasses
+
+    from engine.runtime.models import load_pair
 
     target, draft = tiny_dirs
     exact_bf16 = load_pair(str(target), str(draft), "bf16", device="cpu", exact_verify=True)
@@ -178,9 +178,10 @@ def test_kv_bench_codes_restores_and_tabulates_acceptance_on_a_tiny_pair(tiny_di
     """Every figure `bench kv` reports, on a tiny random target (its fp32 cache): exact round
     trips, fewer coded bits than stored, restore times that fall with bandwidth and cross at the
     break-even, the W and context sweeps, and acceptance per weight tier × KV tier."""
+    import torch
+
     from bench import kv
     from engine.runtime.models import load_model, load_tokenizer
-    import torch
 
     monkeypatch.setenv("SPECLAB_CACHE", str(tmp_path))
     target, draft = tiny_dirs

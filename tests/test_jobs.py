@@ -7,9 +7,9 @@ import time
 
 import pytest
 
-from engine.service import jobs
 from engine.lab.profiling import sweep_jobs
 from engine.lab.slots import decode_slot
+from engine.service import jobs
 from store import Store
 
 PROMPTS = [("chat", "Hi there"), ("code", "def f(x):")]

@@ -303,13 +303,6 @@ def test_tune_reads_the_newest_measurement_of_the_target_and_tier():
             T.tune(st, None, "bf16", 0, 1.0, "latency")
 
 
-def test_the_tuner_mirrors_the_engine_constants():
-    from engine.runtime.kv.tiers import KV_TIERS
-    from engine.runtime.models import EMBEDDED_LABEL
-
-    assert T.KV_TIERS == tuple(KV_TIERS) and T.EMBEDDED_TARGET == EMBEDDED_LABEL
-
-
 # -- the CLI -------------------------------------------------------------------------------------
 def test_cli_tune_json_and_text(db, capsys):
     from engine.cli.main import main

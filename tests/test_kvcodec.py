@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 import torch
 
+from engine.decode.policies import make_policy
 from engine.lab.generation import GenConfig, Generation, encode_prompt
 from engine.runtime.kv import codec as C
 from engine.runtime.kv import offload as O
@@ -14,8 +15,6 @@ from engine.runtime.kv import pipeline as PL
 from engine.runtime.kv import proxy as P
 from engine.runtime.kv.calibration import codec_kit, load_codec
 from engine.runtime.kv.tiers import KV_TIERS, quantize
-from engine.decode.policies import make_policy
-
 from tiny import synthetic_context
 
 GRID_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}

@@ -8,13 +8,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from engine.base.names import DATA_DIR
 from engine.decode.costs import CostTable
-from engine.lab.profiling import measure_costs
 from engine.decode.policies import PolicyContext, make_policy
-from engine.lab.profiling import trace
 from engine.lab.generation import GenConfig, Generation, encode_prompt
-from engine.training.retrain import fit_forest, fit_mlp, from_traces
+from engine.lab.profiling import measure_costs, trace
 from engine.lab.whatif import replay, summarize
+from engine.training.retrain import fit_forest, fit_mlp, from_traces
 
 ROOT = Path(__file__).resolve().parents[1]
 PROMPTS = [("code", "def add(a, b):"), ("chat", "Hello there, how"), ("math", "2 + 2 = 4. 3 + 3 ="),
@@ -287,7 +287,7 @@ def test_sampling_traces_store_the_acceptance_probability(tiny_pair, tiny_dirs):
 
 @pytest.mark.slow
 def test_retrain_on_the_speckv_file_reproduces_the_paper(tmp_path):
-    csv = ROOT / "engine" / "data" / "speckv-phase2" / "phase2_step_results.csv"
+    csv = DATA_DIR / "speckv-phase2" / "phase2_step_results.csv"
     db = str(tmp_path / "sk.duckdb")
     assert _cli("import-speckv", str(csv), "--db", db).returncode == 0
     proc = _cli("retrain", "--db", db, "--source", "speckv", "--json")
@@ -364,10 +364,16 @@ def test_controllers_read_the_kv_tier_and_old_ones_keep_predicting(traced, trace
     with the paper's six (meta lists its features) loads and predicts as before at any KV tier."""
     import pandas as pd
 
-    from engine.runtime.kv.tiers import KV_TIERS
+    from engine.decode.acceptance import (
+        FEATURES,
+        FEATURES_KV,
+        KV_CODES,
+        Predictor,
+        feature_rows,
+    )
     from engine.decode.policies.speckv import SpeckvPolicy
-    from engine.decode.acceptance import FEATURES, FEATURES_KV, KV_CODES, Predictor, feature_rows
     from engine.decode.records import DecodeState
+    from engine.runtime.kv.tiers import KV_TIERS
     from engine.service import controller_loader
     from store import Store
 

@@ -1,8 +1,14 @@
 import pytest
 
-from engine.decode.policies import K_MAX, NEEDS_CONTEXT, POLICY_EXAMPLES, PolicyContext, make_policy
-from tiny import synthetic_context
+from engine.decode.policies import (
+    K_MAX,
+    NEEDS_CONTEXT,
+    POLICY_EXAMPLES,
+    PolicyContext,
+    make_policy,
+)
 from engine.decode.records import DecodeState, DraftToken, StepRecord
+from tiny import synthetic_context
 
 
 def _state(history=()):

@@ -5,9 +5,9 @@ import threading
 import pytest
 import torch
 
-from engine.runtime import prefix_cache as pc
-from engine.lab.generation import GenConfig, Generation, encode_messages, encode_prompt
 from engine.decode.policies import POLICY_EXAMPLES, make_policy
+from engine.lab.generation import GenConfig, Generation, encode_messages, encode_prompt
+from engine.runtime import prefix_cache as pc
 from engine.runtime.prefix_cache import Entry, PrefixCache
 from tiny import synthetic_context
 

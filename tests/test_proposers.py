@@ -4,18 +4,18 @@ the target's whatever drafts; traces record every proposer, and replay of polici
 among them takes the live run's steps; per-proposer costs; the policy spec's '@' part."""
 import pytest
 import torch
+from test_speculative import _hf_greedy
 
 from engine.decode.costs import CostTable, DraftCost, calibrate
+from engine.decode.policies import BasePolicy, make_policy, parse_policy
+from engine.decode.records import K_MAX, UNBOUNDED, Action
+from engine.decode.step import Setting, decode
 from engine.lab.generation import GenConfig, Generation, encode_prompt
+from engine.lab.profiling import measure_costs, trace
+from engine.lab.whatif import proposals, replay
 from engine.oracles import available, build
 from engine.oracles.model import TargetVerifier
-from engine.decode.policies import BasePolicy, make_policy, parse_policy
-from engine.lab.profiling import measure_costs, trace
-from engine.decode.records import K_MAX, UNBOUNDED, Action
 from engine.oracles.sampling import Sampler
-from engine.decode.step import Setting, decode
-from engine.lab.whatif import proposals, replay
-from test_speculative import _hf_greedy
 
 # Prompts that repeat themselves, so that the n-gram proposer finds matches.
 PROMPTS = [("code", "def add(a, b): return a + b\ndef sub(a, b): return a - b\ndef mul(a, b):"),
@@ -157,8 +157,8 @@ def test_replay_refuses_a_proposer_the_trace_lacks(lab):
 
 
 def test_bare_proposer_is_the_draft(lab):
-    from engine.oracles.trace import TraceProposer, TraceVerifier
     from engine.decode.step import ModelledClock
+    from engine.oracles.trace import TraceProposer, TraceVerifier
 
     traces, _ = lab
     t = traces[1]

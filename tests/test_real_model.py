@@ -10,11 +10,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine.lab import divergence
-from engine.runtime.models import load_pair
-from engine.decode.policies import POLICY_EXAMPLES, make_policy
 from engine.datasets.prompts import bench_prompts
-from engine.lab.generation import Generation, GenConfig, encode_prompt
+from engine.decode.policies import POLICY_EXAMPLES, make_policy
+from engine.lab import divergence
+from engine.lab.generation import GenConfig, Generation, encode_prompt
+from engine.runtime.models import load_pair
 from tiny import synthetic_context
 
 MAX_NEW = 32
@@ -198,12 +198,12 @@ def test_kv_codec_round_trips_real_kv_and_a_paused_generation_resumes_exactly(pa
     """The embedded target's own KV (a held-out ShareGPT context at each KV tier) through offload
     and windowed restore, raw and coded against q8_0, is bit-exact for every W; a bf16 generation
     paused and restored from coded windows emits what the uninterrupted one does."""
+    from engine.runtime.forward import forward_logits
     from engine.runtime.kv import offload as O
+    from engine.runtime.kv.cache import new_cache
     from engine.runtime.kv.calibration import codec_kit, conversation_ids
     from engine.runtime.kv.tiers import KV_TIERS
     from engine.runtime.prefix_cache import kv_of
-    from engine.runtime.forward import forward_logits
-    from engine.runtime.kv.cache import new_cache
 
     if pair.target_tier != "bf16":
         pytest.skip("the codec check runs on the bf16 target")

@@ -11,10 +11,11 @@ from pathlib import Path
 
 import pytest
 
-from store import Store, StoreError
+from engine.base.names import DATA_DIR
 from engine.datasets.speckv import COLUMNS, import_speckv
+from store import Store, StoreError
 
-DATA = Path(__file__).resolve().parents[1] / "engine" / "data" / "speckv-phase2"  # vendored, MIT
+DATA = DATA_DIR / "speckv-phase2"  # vendored, MIT
 STEPS_CSV = DATA / "phase2_step_results.csv"
 real = pytest.mark.skipif(not STEPS_CSV.exists(), reason="SpecKV phase-2 data not present")
 

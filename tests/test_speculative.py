@@ -5,10 +5,10 @@ import pytest
 import torch
 from scipy import stats
 
-from engine.runtime.models import load_pair
 from engine.decode.policies import POLICY_EXAMPLES, make_policy
-from engine.lab.generation import Generation, GenConfig, encode_prompt
+from engine.lab.generation import GenConfig, Generation, encode_prompt
 from engine.oracles.sampling import rejection_sample, warp
+from engine.runtime.models import load_pair
 from tiny import CHARS, synthetic_context
 
 PROMPTS = ["Hello there", "def f(x): return", "2+2=", "Tell me a story about a cat."]

@@ -22,12 +22,16 @@ import numpy as np
 import pandas as pd
 import pytest
 
-REPO = Path(__file__).resolve().parents[1]
-# Importable without relying on a conftest or an installed package.
-if str(REPO) not in sys.path:
-    sys.path.insert(0, str(REPO))
+from store import (
+    MIGRATIONS,
+    SCHEMA_VERSION,
+    StagedWrite,
+    Store,
+    StoreError,
+    pending_staged,
+)
 
-from store import MIGRATIONS, SCHEMA_VERSION, StagedWrite, Store, StoreError, pending_staged  # noqa: E402
+REPO = Path(__file__).resolve().parents[1]
 
 
 # ----- helpers ---------------------------------------------------------------------------

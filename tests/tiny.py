@@ -18,7 +18,7 @@ CHAT_TEMPLATE = (
 
 
 def save_tokenizer(out: Path, extra_tokens: int = 0) -> int:
-    from tokenizers import Tokenizer, models, pre_tokenizers, decoders
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
     vocab = {t: i for i, t in enumerate(SPECIALS + list(CHARS) + [f"<x{i}>" for i in range(extra_tokens)])}

@@ -8,7 +8,8 @@ from dataclasses import dataclass
 import streamlit as st
 
 from engine.base.helpers import default_db, one_line
-from engine.runtime.models import EMBEDDED_LABEL, load_pair, resolve_device
+from engine.base.names import EMBEDDED_LABEL
+from engine.runtime.models import load_pair, resolve_device
 from engine.runtime.prefix_cache import PrefixCache, spilling
 from engine.service import store_run
 

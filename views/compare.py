@@ -11,15 +11,15 @@ import pandas as pd
 import plotly.graph_objects as go
 import streamlit as st
 
+from engine.base.names import KV_TIERS, WEIGHT_TIERS
+from engine.datasets.prompts import WORKBENCH_PROMPT
+from engine.decode.policies import DEFAULT_POLICY, POLICY_EXAMPLES, parse_policy
 from engine.lab import side_by_side as C
 from engine.lab.generation import GenConfig
-from engine.datasets.prompts import WORKBENCH_PROMPT
-from engine.runtime.models import KV_TIERS, TIERS
-from engine.decode.policies import DEFAULT_POLICY, POLICY_EXAMPLES, parse_policy
-from engine.service import context_for, replay_rows
 from engine.lab.slots import decode_slot
-from views.common import get_pair, save_run, settings, show_error
+from engine.service import context_for, replay_rows
 from store import Store
+from views.common import get_pair, save_run, settings, show_error
 
 RESULT_KEY = "compare_result"
 WHATIF_KEY = "compare_whatif"
@@ -47,7 +47,7 @@ def inputs() -> tuple[bool, dict]:
                                   key="compare_policies", help="Run one after another on each prompt; "
                                   "`@proposer` drafts with that proposer only, rakv chooses among all")
         c1, c2, c3, c4, c5 = st.columns(5)
-        tier = c1.selectbox("Target tier", TIERS, key="compare_tier")
+        tier = c1.selectbox("Target tier", WEIGHT_TIERS, key="compare_tier")
         kv_tier = c2.selectbox("KV tier", KV_TIERS, key="compare_kv_tier")
         max_new = c3.number_input("Max new tokens", min_value=1, max_value=8192, value=48, step=16,
                                   key="compare_max_new")

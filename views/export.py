@@ -7,9 +7,17 @@ import json
 
 import streamlit as st
 
-from engine.service.export import (KV_TIERS, WEIGHT_TIERS, TunedConfig, default_name, export_bundle, from_run, to_json,
-                           to_yaml, vllm_fields)
+from engine.base.names import KV_TIERS, WEIGHT_TIERS
 from engine.service import latest_live_run, save_export, stored_exports
+from engine.service.export import (
+    TunedConfig,
+    default_name,
+    export_bundle,
+    from_run,
+    to_json,
+    to_yaml,
+    vllm_fields,
+)
 from views.common import settings, show_error
 
 PREFILL_KEY = "export_prefill"

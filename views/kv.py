@@ -10,8 +10,14 @@ import plotly.graph_objects as go
 import streamlit as st
 from plotly.subplots import make_subplots
 
-from engine.service.kv_tuner import GOALS, KV_TIERS, measured_windows, target_name
-from engine.service import MEASURE_KV_MINUTES, kv_view, latest_kv_measurement, measure_kv
+from engine.base.names import KV_TIERS
+from engine.service import (
+    MEASURE_KV_MINUTES,
+    kv_view,
+    latest_kv_measurement,
+    measure_kv,
+)
+from engine.service.kv_tuner import GOALS, measured_windows, target_name
 from views.common import settings, show_error
 
 LINKS = [0.1, 0.2, 0.3, 0.5, 1, 2, 3, 5, 10, 20, 30, 50, 100]  # the log slider's stops, Gbit/s

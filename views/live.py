@@ -10,15 +10,28 @@ import plotly.graph_objects as go
 import streamlit as st
 from plotly.subplots import make_subplots
 
+from engine.base.names import KV_TIERS, WEIGHT_TIERS
 from engine.datasets.prompts import WORKBENCH_PROMPT
-from engine.runtime.models import KV_TIERS, TIERS
-from engine.service import context_for
-from engine.lab.slots import decode_slot
-from engine.lab.side_by_side import policy_options, proposers_of
-from engine.decode.policies import DEFAULT_POLICY, POLICY_EXAMPLES, make_policy, parse_policy
+from engine.decode.policies import (
+    DEFAULT_POLICY,
+    POLICY_EXAMPLES,
+    make_policy,
+    parse_policy,
+)
 from engine.decode.records import PROPOSER_NAMES
 from engine.lab.generation import GenConfig, Generation, encode_prompt, run_row
-from views.common import Saved, get_pair, get_prefix_cache, save_run, settings, show_error, show_saved
+from engine.lab.side_by_side import policy_options, proposers_of
+from engine.lab.slots import decode_slot
+from engine.service import context_for
+from views.common import (
+    Saved,
+    get_pair,
+    get_prefix_cache,
+    save_run,
+    settings,
+    show_error,
+    show_saved,
+)
 
 RESULT_KEY = "live_result"
 PROPOSERS_KEY = "speclab_proposers"  # the loaded pair's proposers (engine.oracles.available), for the selectors
@@ -148,7 +161,7 @@ def inputs() -> tuple[bool, dict]:
                                    "choose among all the pair has); a typed spec on the right overrides it")
         typed = c2.text_input("…or any policy spec", key="live_policy_spec",
                               placeholder="e.g. fixed:6, threshold:0.3, fixed:3@ngram:max=3,min=2")
-        tier = c3.selectbox("Target tier", TIERS, key="live_tier",
+        tier = c3.selectbox("Target tier", WEIGHT_TIERS, key="live_tier",
                             help="Target weight tier. fp16 needs CUDA; int8/nf4 use bitsandbytes.")
         c1, c2, c3, c4 = st.columns(4)
         max_new = c1.number_input("Max new tokens", min_value=1, max_value=8192, value=64,

@@ -9,13 +9,13 @@ from datetime import date
 import pandas as pd
 import streamlit as st
 
-from engine.service.jobs import RUNNER, SweepSpec, SweepStatus
-from engine.runtime.models import KV_TIERS, TIERS
+from engine.base.names import KV_TIERS, WEIGHT_TIERS
 from engine.decode.policies import POLICY_EXAMPLES, parse_policy
 from engine.lab.profiling import sweep_jobs
 from engine.service import prompt_set, sweep_table
-from views.common import Settings, _pair, get_pair, settings, show_error
+from engine.service.jobs import RUNNER, SweepSpec, SweepStatus
 from store import Store
+from views.common import Settings, _pair, get_pair, settings, show_error
 
 PROMPT_SETS = ["heldout", "bench", "train"]
 # One click must work on the embedded model on a CPU: one prompt per task, short runs, fp32 only.
@@ -33,7 +33,7 @@ def inputs() -> tuple[bool, dict]:
                              help="heldout: the held-out prompts; bench: the benchmark's; train: training prompts")
         per_task = c3.number_input("Prompts per task", min_value=1, max_value=100, value=1, key="profile_per_task")
         c1, c2 = st.columns(2)
-        tiers = c1.multiselect("Tiers", TIERS, default=["fp32"], key="profile_tiers",
+        tiers = c1.multiselect("Tiers", WEIGHT_TIERS, default=["fp32"], key="profile_tiers",
                                help="Target weight tiers; fp16 needs CUDA, int8/nf4 bitsandbytes")
         kv_tiers = c2.multiselect("KV tiers", KV_TIERS, default=["native"], key="profile_kv_tiers")
         policies = st.multiselect("Policies", POLICY_OPTIONS, default=DEFAULT_POLICIES, key="profile_policies")

@@ -12,8 +12,8 @@ import pandas as pd
 import streamlit as st
 
 from engine.service import calibrate_all, replay_rows, retrain, tier_label
-from views.common import settings, show_error
 from store import Store
+from views.common import settings, show_error
 
 DEFAULT_POLICIES = ["ar", "fixed:1", "fixed:2", "fixed:3", "fixed:4", "fixed:6", "heuristic", "rules", "rakv"]
 LEARNED = ["speckv", "speckv-rf", "speckv-paper"]

@@ -13,8 +13,8 @@ import streamlit as st
 from plotly.subplots import make_subplots
 
 from engine.service import runs_view as V
-from views.common import settings, show_error
 from store import Store
+from views.common import settings, show_error
 
 # The runs table's columns (the rest, lists and config, are in the downloads).
 RUN_COLUMNS = ["created_at", "policy", "target_tier", "kv_tier", "task", "prompt", "n_tokens", "tokens_per_s",

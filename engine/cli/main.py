@@ -13,11 +13,17 @@ import sys
 from pathlib import Path
 from typing import Callable, Iterator
 
-from engine.service.options import KV_TIER_ARG, KV_TIERS_ARG, add_db_arg, add_model_args, exact_verify
 from engine.base.helpers import csv_list, one_line
 from engine.decode.costs import REPS
 from engine.decode.policies import DEFAULT_POLICY, POLICY_EXAMPLES, split_policies
 from engine.service import TRACE_POLICIES
+from engine.service.options import (
+    KV_TIER_ARG,
+    KV_TIERS_ARG,
+    add_db_arg,
+    add_model_args,
+    exact_verify,
+)
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 TIERS_ARG = ("--tiers", dict(default="fp32", help="comma-separated target tiers"))
@@ -92,8 +98,8 @@ def _open_or_fail(db: str) -> None:
                            "overrides it")),
          models=True, db="DuckDB file for the run; '' stores nothing")
 def cmd_generate(a: argparse.Namespace) -> int:
-    from engine.lab.generation import Generation, GenConfig, encode_prompt, run_row
     from engine.decode.policies import make_policy, parse_policy
+    from engine.lab.generation import GenConfig, Generation, encode_prompt, run_row
     from engine.service import context_for, store_run
 
     if a.config:
@@ -216,8 +222,8 @@ def _apply_config(a: argparse.Namespace, cfg) -> None:
          ("--top-p", dict(type=float, default=1.0)), ("--seed", dict(type=int, default=None)),
          models=True, db="DuckDB file the export is stored in; '' stores nothing")
 def cmd_export(a: argparse.Namespace) -> int:
-    from engine.service.export import default_name, render
     from engine.service import save_export
+    from engine.service.export import default_name, render
 
     cfg = _tuned(a, "export")
     name = (a.name or "").strip() or default_name(cfg)
@@ -268,9 +274,9 @@ def cmd_import_speckv(a: argparse.Namespace) -> int:
          ("--policy", dict(default="fixed:4")), ("--max-new-tokens", dict(type=int, default=64)),
          ("--prompts-per-task", dict(type=int, default=2)), JSON_ARG, models=True)
 def cmd_divergence(a: argparse.Namespace) -> int:
-    from engine.lab import divergence
-    from engine.decode.policies import make_policy
     from engine.datasets.prompts import bench_prompts
+    from engine.decode.policies import make_policy
+    from engine.lab import divergence
     from engine.service import parse_tiers
 
     tiers = parse_tiers(a.tiers)
@@ -344,8 +350,6 @@ def cmd_distill(a: argparse.Namespace) -> int:
 def cmd_bench(a: argparse.Namespace) -> int:
     if not a.name.isidentifier():
         raise ValueError(f"unknown benchmark {a.name!r}")
-    if str(REPO_ROOT) not in sys.path:
-        sys.path.insert(0, str(REPO_ROOT))
     try:
         mod = importlib.import_module(f"bench.{a.name}")
     except ModuleNotFoundError:
@@ -486,7 +490,14 @@ def cmd_retrain(a: argparse.Namespace) -> int:
 def cmd_profile(a: argparse.Namespace) -> int:
     from engine.decode.policies import parse_policy
     from engine.lab.profiling import sweep_jobs
-    from engine.service import format_sweep, parse_kv_tiers, parse_tiers, profile, prompt_set, sweep_table
+    from engine.service import (
+        format_sweep,
+        parse_kv_tiers,
+        parse_tiers,
+        profile,
+        prompt_set,
+        sweep_table,
+    )
     from store import Store
 
     tiers, prompts, policies = parse_tiers(a.tiers), prompt_set(a.prompts, a.per_task), split_policies(a.policies)

@@ -12,13 +12,14 @@ from __future__ import annotations
 import json
 import random
 from functools import lru_cache
-from pathlib import Path
+
+from engine.base.names import DATA_DIR
 
 TASKS = ("code", "math", "chat", "summarization")
 # The prompt a newcomer meets (Live decode, Compare, bench browser): one the embedded draft knows
 # well (code), so the default run shows where drafting pays and the cost-aware policy when not.
 WORKBENCH_PROMPT = "Write a Python function that checks whether a number is prime."
-HELDOUT_FILE = Path(__file__).parents[1] / "data" / "heldout_prompts.json"
+HELDOUT_FILE = DATA_DIR / "heldout_prompts.json"
 
 BENCH: dict[str, list[str]] = {
     "code": [

@@ -26,8 +26,8 @@ FEATURES_KV = FEATURES + ("kv_tier",)
 # The paper's encoding of the target's weight compression (fp16 0, int8 1, nf4 2); our float
 # tiers are all uncompressed weights.
 COMPRESSION = {"fp32": 0, "bf16": 0, "fp16": 0, "int8": 1, "nf4": 2}
-# The KV tiers (engine/kv/tiers.py's KV_TIERS, in its order, which a test checks; named here so
-# the controller stays torch-free), coded by how lossy they are.
+# The KV tiers (base/names.py's KV_TIERS, in its order, which a test checks), coded by how lossy
+# they are.
 KV_CODES = {"native": 0, "fp8": 1, "int8": 2}
 CANDIDATES = (0, 1, 2, 4, 6, 8)  # the draft lengths a controller weighs; 0 = plain decoding
 PAPER_CANDIDATES = (2, 4, 6, 8)  # SpecKV's γ grid

@@ -9,7 +9,15 @@ from dataclasses import dataclass
 from typing import Callable, Iterator, Protocol
 
 from engine.decode.policies import Policy
-from engine.decode.records import AcceptanceEWMA, Action, DecodeState, DraftToken, RunSummary, StepRecord, signal_summary
+from engine.decode.records import (
+    AcceptanceEWMA,
+    Action,
+    DecodeState,
+    DraftToken,
+    RunSummary,
+    StepRecord,
+    signal_summary,
+)
 
 
 class Proposer(Protocol):

@@ -10,9 +10,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from engine.runtime.models import ModelPair
 from engine.decode.policies import make_policy
-from engine.lab.generation import Generation, GenConfig, encode_messages, encode_prompt
+from engine.lab.generation import GenConfig, Generation, encode_messages, encode_prompt
+from engine.runtime.models import ModelPair
 from engine.runtime.prefix_cache import PrefixCache
 
 

@@ -9,19 +9,19 @@ from typing import Iterator
 
 import torch
 
+from engine.decode.policies import Policy
+from engine.decode.records import RunSummary, StepRecord
+from engine.decode.step import Setting, decode, summarize
+from engine.oracles import build, check_proposers
+from engine.oracles.model import TargetVerifier
+from engine.oracles.sampling import Sampler
 from engine.runtime.forward import WallClock
 from engine.runtime.kv.cache import held_bytes_per_token
 from engine.runtime.kv.calibration import CodecKit
 from engine.runtime.kv.offload import Offloaded, SlowTier
 from engine.runtime.kv.tiers import check_tier
 from engine.runtime.models import ModelPair
-from engine.oracles import build, check_proposers
-from engine.oracles.model import TargetVerifier
-from engine.decode.policies import Policy
 from engine.runtime.prefix_cache import PrefixCache
-from engine.decode.records import RunSummary, StepRecord
-from engine.oracles.sampling import Sampler
-from engine.decode.step import Setting, decode, summarize
 
 
 @dataclass(frozen=True)

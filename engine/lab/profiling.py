@@ -20,16 +20,21 @@ import torch
 
 from engine.base.helpers import median_ms
 from engine.decode.costs import CONTEXT_BUCKETS, REPS, WARMUP, CostTable, DraftCost
-from engine.runtime.forward import crop_to, forward_logits, sync_device
-from engine.runtime.kv.cache import new_cache
-from engine.lab.generation import GenConfig, Generation, encode_prompt, run_row
-from engine.runtime.models import ModelPair
-from engine.oracles import PROPOSERS, available, build
-from engine.oracles.model import DraftModelProposer, TargetVerifier, draft_read, target_reads
-from engine.runtime.prefix_cache import fill, kv_of
 from engine.decode.policies import K_MAX, make_policy
 from engine.decode.records import UNBOUNDED, DraftToken
+from engine.lab.generation import GenConfig, Generation, encode_prompt, run_row
+from engine.oracles import PROPOSERS, available, build
+from engine.oracles.model import (
+    DraftModelProposer,
+    TargetVerifier,
+    draft_read,
+    target_reads,
+)
 from engine.oracles.sampling import Sampler, warp
+from engine.runtime.forward import crop_to, forward_logits, sync_device
+from engine.runtime.kv.cache import new_cache
+from engine.runtime.models import ModelPair
+from engine.runtime.prefix_cache import fill, kv_of
 
 
 @dataclass

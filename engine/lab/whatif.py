@@ -8,10 +8,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from engine.decode.costs import CostTable
-from engine.oracles.trace import TraceProposer, TraceVerifier
 from engine.decode.policies import Policy
 from engine.decode.records import PROPOSER_NAMES, StepRecord
 from engine.decode.step import ModelledClock, Setting, decode
+from engine.oracles.trace import TraceProposer, TraceVerifier
 
 
 @dataclass

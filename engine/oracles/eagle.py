@@ -13,11 +13,11 @@ from typing import Callable
 
 import torch
 
+from engine.decode.records import UNBOUNDED, DraftToken
+from engine.decode.step import draft_tokens
+from engine.oracles.sampling import Sampler, draft_signals
 from engine.runtime.eagle_head import EagleHead, HeadCache
 from engine.runtime.models import ModelPair
-from engine.decode.records import UNBOUNDED, DraftToken
-from engine.oracles.sampling import Sampler, draft_signals
-from engine.decode.step import draft_tokens
 
 
 class EagleProposer:

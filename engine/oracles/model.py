@@ -7,17 +7,24 @@ from typing import Callable
 
 import torch
 
+from engine.decode.records import UNBOUNDED, DraftToken
+from engine.decode.step import draft_tokens
+from engine.oracles.sampling import Sampler, draft_signals
 from engine.runtime import invariance
-from engine.runtime.forward import crop_to, forward_logits
 from engine.runtime.eagle_head import Rows
+from engine.runtime.forward import crop_to, forward_logits
 from engine.runtime.kv.cache import new_cache
 from engine.runtime.kv.calibration import CodecKit
-from engine.runtime.kv.offload import Offloaded, SlowTier, Timing, drop, offload, restore
+from engine.runtime.kv.offload import (
+    Offloaded,
+    SlowTier,
+    Timing,
+    drop,
+    offload,
+    restore,
+)
 from engine.runtime.models import ModelPair
 from engine.runtime.prefix_cache import Entry, Hit, PrefixCache, fill, kv_of
-from engine.decode.records import UNBOUNDED, DraftToken
-from engine.oracles.sampling import Sampler, draft_signals
-from engine.decode.step import draft_tokens
 
 
 def draft_read(pair: ModelPair, ids: list[int], cache) -> tuple[torch.Tensor, object]:

@@ -8,8 +8,8 @@ from typing import Callable
 import torch
 
 from engine.decode.records import DraftToken
-from engine.oracles.sampling import Sampler
 from engine.decode.step import draft_tokens
+from engine.oracles.sampling import Sampler
 
 NGRAM_MAX = 16  # longest suffix looked up: each emitted token costs O(max) dict operations
 UNBOUNDED = 1 << 30  # lookahead of a match: a copy can go on past the context's end (see NgramProposer)

@@ -17,7 +17,6 @@ from engine.runtime import invariance
 
 MARKER = "speclab_draft.json"
 WEIGHTS = "draft.safetensors"
-SHIPPED = Path(__file__).parents[1] / "data" / "drafts" / "smollm2-135m-instruct"
 
 
 def is_draft_dir(path: str | Path | None) -> bool:

@@ -26,7 +26,6 @@ from engine.runtime import draft_model as draftlib
 
 MARKER = "speclab_eagle.json"
 WEIGHTS = "eagle.safetensors"
-SHIPPED = Path(__file__).parents[1] / "data" / "drafts" / "smollm2-135m-instruct-eagle"
 
 
 @dataclass(frozen=True)

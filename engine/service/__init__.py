@@ -13,9 +13,16 @@ from typing import Any, Callable, ContextManager, Iterable
 import numpy as np
 
 from engine.base.helpers import csv_list, one_line
-from engine.decode.costs import REPS, CostTable, calibrate
-from engine.decode.policies import NEEDS_CONTEXT, PolicyContext, make_policy, parse_policy, split_spec
+from engine.base.names import KV_TIERS, WEIGHT_TIERS
 from engine.decode.acceptance import Predictor
+from engine.decode.costs import REPS, CostTable, calibrate
+from engine.decode.policies import (
+    NEEDS_CONTEXT,
+    PolicyContext,
+    make_policy,
+    parse_policy,
+    split_spec,
+)
 from engine.lab.whatif import Replay, replay, summarize, tier_label
 from store import Store
 
@@ -43,15 +50,11 @@ def _known(text: str, known: tuple[str, ...], what: str) -> list[str]:
 
 
 def parse_tiers(text: str) -> list[str]:
-    from engine.runtime.models import TIERS
-
-    return _known(text, TIERS, "tier")
+    return _known(text, WEIGHT_TIERS, "tier")
 
 
 def parse_kv_tiers(text: str) -> list[str]:
     """Comma-separated KV tiers (native, fp8, int8), checked."""
-    from engine.runtime.kv.tiers import KV_TIERS
-
     return _known(text, KV_TIERS, "KV tier")
 
 
@@ -285,8 +288,8 @@ def trace_prompts(st: Store, pair, prompts: list[tuple[str, str]], max_new_token
     proposer the pair has (a rerun resumes; a prompt traced before a proposer existed is traced
     again, and its newest trace is the one replayed); each is stored as it is made. Returns how
     many were made."""
-    from engine.oracles import available
     from engine.lab.profiling import trace
+    from engine.oracles import available
 
     have = st.traces(target=pair.target_name, draft=pair.draft_name, target_tier=pair.target_tier,
                      kv_tier=kv_tier, max_new_tokens=max_new_tokens)
@@ -447,8 +450,8 @@ def kv_view(row: dict, kv_tier: str, coded: bool, predictor: str | None, window:
     from engine.service import kv_tuner as tuner
 
     tuner.check_inputs(context, link_gbit_s, goal)
-    if kv_tier not in tuner.KV_TIERS:
-        raise ValueError(f"unknown KV tier {kv_tier!r}; known: {', '.join(tuner.KV_TIERS)}")
+    if kv_tier not in KV_TIERS:
+        raise ValueError(f"unknown KV tier {kv_tier!r}; known: {', '.join(KV_TIERS)}")
     if isinstance(window, bool) or not isinstance(window, int) or window < 1:
         raise ValueError(f"W must be a whole number of tokens ≥ 1, got {window!r}")
     m, notes = row["result"], []

@@ -16,19 +16,21 @@ from typing import Any, Mapping
 
 import yaml
 
-from engine.decode.policies import DEFAULT_POLICY, NEEDS_CONTEXT, make_policy, parse_policy
+from engine.base.names import DATA_DIR, EMBEDDED, KV_TIERS, WEIGHT_TIERS
+from engine.base.names import SHIPPED_DRAFT as SHIPPED_DRAFT_PATH
+from engine.decode.policies import (
+    DEFAULT_POLICY,
+    NEEDS_CONTEXT,
+    make_policy,
+    parse_policy,
+)
 from engine.decode.records import K_MAX
 
-# engine/models.py and engine/kv/tiers.py import torch; their tier names are repeated here
-# (tests/test_export.py checks they stay equal) so that reading a config loads no torch.
-WEIGHT_TIERS = ("fp32", "bf16", "fp16", "int8", "nf4")
-KV_TIERS = ("native", "fp8", "int8")
-EMBEDDED = "embedded"  # engine.runtime.models.EMBEDDED: the name users type for the default pair
-# The embedded target's shipped SpecLab draft (engine.runtime.draft_model.SHIPPED), relative to the repository.
-SHIPPED_DRAFT = "engine/data/drafts/smollm2-135m-instruct"
+# The embedded target's shipped SpecLab draft as exports name it: relative to the repository.
+SHIPPED_DRAFT = SHIPPED_DRAFT_PATH.relative_to(DATA_DIR.parents[1]).as_posix()
 FORMATS = ("json", "yaml", "hf", "vllm")
 FILE_FORMAT = "speclab-tuned-config/1"  # the "format" key of a SpecLab config file
-VLLM_FIELDS_FILE = Path(__file__).parents[1] / "data" / "vllm_speculative_config_fields.json"
+VLLM_FIELDS_FILE = DATA_DIR / "vllm_speculative_config_fields.json"
 
 # Learned policies → the stored controller they read (engine/policies: speckv-paper uses speckv's).
 CONTROLLERS = {"speckv": "speckv", "speckv-rf": "speckv-rf", "speckv-paper": "speckv"}

@@ -17,8 +17,8 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from engine.base.helpers import one_line
-from engine.service import profile, tier_label, trace_prompts
 from engine.lab.slots import decode_slot
+from engine.service import profile, tier_label, trace_prompts
 from store import Store
 
 STATES = ("running", "stopped", "finished", "failed")

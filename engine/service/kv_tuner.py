@@ -37,10 +37,9 @@ import numbers
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any, Callable, Mapping, Sequence
 
+from engine.base.names import EMBEDDED_LABEL, KV_TIERS
 from engine.runtime.kv.pipeline import crossing_gbit_s, pipelined_seconds
 
-# The KV tiers (engine/kv/tiers.py's KV_TIERS, not imported: that module needs torch).
-KV_TIERS = ("native", "fp8", "int8")
 GOALS = ("latency", "memory")
 SOURCES = ("measured", "seed")
 MAX_CONTEXT = 1 << 22  # 4 Mi tokens: beyond any model this workbench loads
@@ -51,8 +50,6 @@ ACCEPTANCE_SLACK = 0.03  # a lossy KV tier may cost this much draft acceptance a
 GAMMA_SLACK = 0.03  # γ values within 3 % of the best tok/s are equally good
 WINDOW_SLACK = 0.03  # a W whose modelled restore is within 3 % of the best is no contradiction
 SEED_MEMORY_RATIO = (6.0, 8.0)  # the seed's claim: FP8 KV plus speculative coding, 6–8× under FP16
-# The embedded target's name (engine/models.py's EMBEDDED_LABEL; not imported: torch).
-EMBEDDED_TARGET = "SmolLM2-135M-Instruct"
 
 
 # -- the seed notes' preset ----------------------------------------------------------------------
@@ -714,7 +711,7 @@ def result_of(row: Mapping) -> dict:
 
 def target_name(target: str | None) -> str:
     """What measurements are stored under: the embedded target's label for None/''/embedded."""
-    return EMBEDDED_TARGET if target in (None, "", "embedded") else str(target)
+    return EMBEDDED_LABEL if target in (None, "", "embedded") else str(target)
 
 
 def no_measurement(target: str | None) -> str:

@@ -25,15 +25,16 @@ from typing import Callable, Iterator
 import torch
 from safetensors.torch import load_file, save_file
 
-from engine.runtime import draft_model as draftlib
+from engine.base.names import SHIPPED_DRAFT
 from engine.datasets import prompts as promptlib
 from engine.lab.generation import encode_prompt
+from engine.runtime import draft_model as draftlib
 
 
 @dataclass
 class DistillConfig:
     target: str | None = None  # HF id / local dir; None = the embedded model
-    out: str = str(draftlib.SHIPPED)  # the draft directory written at the end
+    out: str = str(SHIPPED_DRAFT)  # the draft directory written at the end
     work: str = "distill-work"  # data shards and checkpoints (large; not committed)
     layers: list[int] = field(default_factory=lambda: [0, 1, 2, 29])  # target layers to copy
     init_from: str | None = None  # start from an existing SpecLab draft (continue its training)
@@ -398,7 +399,13 @@ def train(cfg: DistillConfig, draft, data: Path, progress, say=print) -> dict:
 
 def run(cfg: DistillConfig, progress, say=print) -> Path:
     """All stages for `cfg.target`; returns the draft directory."""
-    from engine.runtime.models import EMBEDDED, EMBEDDED_LABEL, eos_ids_of, load_model, load_tokenizer
+    from engine.runtime.models import (
+        EMBEDDED,
+        EMBEDDED_LABEL,
+        eos_ids_of,
+        load_model,
+        load_tokenizer,
+    )
 
     cfg.validate()
     if cfg.threads:

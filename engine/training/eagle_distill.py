@@ -24,17 +24,18 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 
+from engine.base.names import SHIPPED_EAGLE
+from engine.datasets import prompts as promptlib
+from engine.lab.generation import encode_messages
 from engine.runtime import draft_model as draftlib
 from engine.runtime import eagle_head as eaglelib
-from engine.datasets import prompts as promptlib
 from engine.training.distill import Checkpoint, optimize, respond
-from engine.lab.generation import encode_messages
 
 
 @dataclass
 class EagleDistillConfig:
     target: str | None = None  # HF id / local dir; None = the embedded model
-    out: str = str(eaglelib.SHIPPED)  # the head directory written at the end
+    out: str = str(SHIPPED_EAGLE)  # the head directory written at the end
     work: str = "eagle-work"  # shards and checkpoints (large; not committed)
     prompts_per_task: int = 48  # training prompts per task answered by the target (generation is the slow part)
     max_new_tokens: int = 128  # response length
@@ -281,7 +282,14 @@ def train(cfg: EagleDistillConfig, head, seqs, held, progress, say=print) -> dic
 
 def run(cfg: EagleDistillConfig, progress, say=print) -> Path:
     """All stages for `cfg.target`; returns the head directory."""
-    from engine.runtime.models import EMBEDDED, EMBEDDED_LABEL, _source_path, eos_ids_of, load_model, load_tokenizer
+    from engine.runtime.models import (
+        EMBEDDED,
+        EMBEDDED_LABEL,
+        _source_path,
+        eos_ids_of,
+        load_model,
+        load_tokenizer,
+    )
 
     cfg.validate()
     if cfg.threads:

@@ -23,9 +23,16 @@ import numpy as np
 import pandas as pd
 
 from engine.base.helpers import median_ms
+from engine.decode.acceptance import (
+    FEATURES,
+    FEATURES_KV,
+    PAPER_CANDIDATES,
+    Predictor,
+    compression_code,
+    kv_code,
+    tokens_from_rate,
+)
 from engine.decode.policies.fixed import FixedPolicy
-from engine.decode.acceptance import (FEATURES, FEATURES_KV, PAPER_CANDIDATES, Predictor, compression_code, kv_code,
-                              tokens_from_rate)
 from engine.decode.records import DecodeState
 from engine.lab.whatif import proposals, replay
 

@@ -12,11 +12,11 @@ from typing import Callable
 
 from engine.decode.acceptance import Predictor
 from engine.decode.costs import CostTable
-
 from engine.decode.policies.base import BasePolicy, Policy
 from engine.decode.policies.fixed import FixedPolicy
 from engine.decode.policies.heuristic import HeuristicPolicy
-from engine.decode.policies.rakv import ALPHA0 as RAKV_ALPHA0, RakvPolicy
+from engine.decode.policies.rakv import ALPHA0 as RAKV_ALPHA0
+from engine.decode.policies.rakv import RakvPolicy
 from engine.decode.policies.rules import RulesPolicy
 from engine.decode.policies.speckv import SpeckvPolicy
 from engine.decode.policies.threshold import ThresholdPolicy

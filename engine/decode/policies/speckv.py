@@ -16,13 +16,32 @@ from __future__ import annotations
 
 import numpy as np
 
-from engine.decode.acceptance import (PAPER_CANDIDATES, Predictor, expected_tokens, feature_rows, signals_before,
-                              tokens_from_rate)
+from engine.decode.acceptance import (
+    PAPER_CANDIDATES,
+    Predictor,
+    expected_tokens,
+    feature_rows,
+    signals_before,
+    tokens_from_rate,
+)
 from engine.decode.costs import CostTable
-from engine.decode.policies.base import PROBE_ALPHA, BasePolicy, catchup_pays, drafted_by, reuse_that_pays
-from engine.decode.policies.rakv import PRIORS, acceptance, blended, choose_probe, grid_for, idle, proposers_for
+from engine.decode.policies.base import (
+    PROBE_ALPHA,
+    BasePolicy,
+    catchup_pays,
+    drafted_by,
+    reuse_that_pays,
+)
+from engine.decode.policies.rakv import (
+    PRIORS,
+    acceptance,
+    blended,
+    choose_probe,
+    grid_for,
+    idle,
+    proposers_for,
+)
 from engine.decode.records import Action, DecodeState, StepRecord
-
 
 # The MLP is fitted on other prompts, and the policy drafts where it predicts the most: on texts
 # unlike its training set it overestimates there (held-out prompts at bf16 in `bench controllers

