@@ -84,7 +84,6 @@ def split_heldout(prompts: list[tuple[str, str]], n_train: int, n_eval: int) -> 
 
 def live(a: argparse.Namespace) -> dict:
     from engine.datasets import prompts as P
-    from engine.lab.profiling import Job, run_job
     from engine.runtime.models import load_pair
     from engine.service import (
         calibrate_costs,
@@ -96,6 +95,7 @@ def live(a: argparse.Namespace) -> dict:
         trace_prompts,
     )
     from engine.service.options import VERIFY_MODES
+    from engine.service.runs import Request, generate
     from store import Store
 
     db = a.db or str(Path(tempfile.mkdtemp(prefix="speclab-bench-")) / "controllers.duckdb")
@@ -115,8 +115,8 @@ def live(a: argparse.Namespace) -> dict:
             trace_prompts(st, pair, train_prompts, a.max_new_tokens)
             for task, prompt in train_prompts:
                 for pol in CALIBRATION_POLICIES:  # live steps the costs are calibrated with (not judged)
-                    row, steps = run_job(pair, Job(tier, task, prompt, pol), None, a.max_new_tokens)
-                    st.add_run(dict(row, sweep=f"{sweep}-calibration"), steps)
+                    generate(pair, Request(prompt, pol, task=task, max_new_tokens=a.max_new_tokens,
+                                           sweep=f"{sweep}-calibration"), st, context=None)
             factors[tier] = calibrate_costs(st, cost_key(pair)).step_factor
             print(f"{tier}: {len(train_prompts)} traces for the controller; live / measured step time k=0..8: "
                   + " ".join(f"{f:.2f}" for f in factors[tier]), file=sys.stderr)
@@ -132,8 +132,8 @@ def live(a: argparse.Namespace) -> dict:
                     # Policies interleaved per prompt, their order rotated: drift hits all alike.
                     shift = (i + rep) % len(policies)
                     for pol in policies[shift:] + policies[:shift]:
-                        row, steps = run_job(pair, Job(tier, task, prompt, pol), ctx, a.max_new_tokens)
-                        st.add_run(dict(row, sweep=sweep), steps)
+                        generate(pair, Request(prompt, pol, task=task, max_new_tokens=a.max_new_tokens, sweep=sweep),
+                                 st, context=ctx)
             print(f"{tier}: {len(held)} held-out prompts × {len(policies)} policies × {a.repeats} done", file=sys.stderr)
             del pair
         table = sweep_table(st.runs(sweep=sweep))

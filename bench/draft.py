@@ -239,8 +239,9 @@ def setting_context(pair: ModelPair, tier: str, opts: Options, calib: tuple[str,
     timed, through a temporary store as `python -m engine` builds it (service.policy_context).
     Also returns what was measured, for the report."""
     from engine.decode.costs import CostTable
-    from engine.lab.profiling import Job, measure_costs, run_job
+    from engine.lab.profiling import measure_costs
     from engine.service import calibrate_costs, cost_key, policy_context
+    from engine.service.runs import Request, generate
     from store import Store
 
     t0 = time.perf_counter()
@@ -252,8 +253,8 @@ def setting_context(pair: ModelPair, tier: str, opts: Options, calib: tuple[str,
         if opts.calibrate_tokens > 0:
             task, prompt = calib
             for pol in [p for p in policies_for(pair, opts, False) if p.startswith(("ar", "fixed:"))]:
-                row, steps = run_job(pair, Job(tier, task, prompt, pol), None, opts.calibrate_tokens)
-                st.add_run(dict(row, sweep="bench-draft-calibration"), steps)
+                generate(pair, Request(prompt, pol, task=task, max_new_tokens=opts.calibrate_tokens,
+                                       sweep="bench-draft-calibration"), st, context=None)
             try:
                 info["step_factor"] = calibrate_costs(st, cost_key(pair)).step_factor
                 info["calibrated"] = True

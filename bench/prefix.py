@@ -76,12 +76,12 @@ def calibrated(pair, st, prompts: list[str], max_new: int):
     """The policies' context after a short profile of held-out requests, as a user tunes a pair:
     their live steps calibrate the cost table (`costs --calibrate`: the bare forwards miss what a
     live step pays beyond them) and give rakv the pair's acceptance as its prior."""
-    from engine.lab.profiling import Job, run_job
     from engine.service import calibrate_costs, cost_key, policy_context
+    from engine.service.runs import Request, generate
 
     for prompt in prompts:
         for spec in ("ar", "fixed:1", "fixed:2", "fixed:4"):
-            st.add_run(*run_job(pair, Job(pair.target_tier, "calibration", prompt, spec), None, max_new))
+            generate(pair, Request(prompt, spec, task="calibration", max_new_tokens=max_new), st, context=None)
     calibrate_costs(st, cost_key(pair))
     return policy_context(st, pair)
 

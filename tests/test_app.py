@@ -147,7 +147,7 @@ def test_engine_errors_are_one_line(app_env, monkeypatch):
 
 
 def test_replay_page_shows_policies_side_by_side_and_retrains(app_env, tiny_pair):
-    from engine.lab.profiling import Job, run_job
+    from engine.service.runs import Request, generate
 
     store_costs_and_traces(app_env, tiny_pair)
     at = open_page("views/retrain.py")
@@ -171,8 +171,7 @@ def test_replay_page_shows_policies_side_by_side_and_retrains(app_env, tiny_pair
     with Store(app_env) as s:
         for pol in ("ar", "fixed:2"):
             for prompt in ("def f(x):", "Hi there"):
-                row, steps = run_job(tiny_pair, Job("fp32", "chat", prompt, pol), None, 16)
-                s.add_run(row, steps)
+                generate(tiny_pair, Request(prompt, pol, task="chat", max_new_tokens=16), s, context=None)
     at.button(key="calibrate").click().run()
     assert not at.exception and not _errors(at) and not at.warning
     assert "live / measured step time for k = 0..8" in at.success[-1].value

@@ -22,13 +22,12 @@ def test_no_database_is_an_empty_state(app_env):
 
 
 def test_stored_runs_are_filtered_plotted_and_downloadable(app_env, tiny_pair):
-    from engine.lab.profiling import Job, run_job
+    from engine.service.runs import Request, generate
 
     with Store(app_env) as s:
         for task, prompt in [("code", "def f(x):"), ("chat", "Hi there")]:
             for pol in ("ar", "fixed:2", "fixed:4"):
-                row, steps = run_job(tiny_pair, Job("fp32", task, prompt, pol), None, 12)
-                s.add_run(row, steps)
+                generate(tiny_pair, Request(prompt, pol, task=task, max_new_tokens=12), s, context=None)
     at = _runs_page()
     assert not at.exception and not _errors(at), _errors(at)
     charts = at.get("plotly_chart")

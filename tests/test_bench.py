@@ -180,8 +180,8 @@ def test_kv_bench_codes_restores_and_tabulates_acceptance_on_a_tiny_pair(tiny_di
     break-even, the W and context sweeps, and acceptance per weight tier × KV tier."""
     import torch
 
-    from bench import kv
     from engine.runtime.models import load_model, load_tokenizer
+    from engine.service import kv_measure as kv
 
     monkeypatch.setenv("SPECLAB_CACHE", str(tmp_path))
     target, draft = tiny_dirs

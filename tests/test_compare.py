@@ -11,6 +11,7 @@ import pytest
 
 from engine.lab import side_by_side as C
 from engine.service import runs_view as V
+from engine.service.runs import Request, run_policies
 
 
 # -- compare: inputs and differences ---------------------------------------------------------------
@@ -43,11 +44,9 @@ def test_inputs_are_checked_in_one_line():
 
 
 def test_shared_seed():
-    from engine.lab.generation import GenConfig
-
-    assert C.shared_seed(GenConfig(temperature=0.0)).seed is None  # greedy needs none
-    assert C.shared_seed(GenConfig(temperature=0.7)).seed is not None
-    assert C.shared_seed(GenConfig(temperature=0.7, seed=5)).seed == 5
+    assert C.shared_seed(Request("", temperature=0.0)).seed is None  # greedy needs none
+    assert C.shared_seed(Request("", temperature=0.7)).seed is not None
+    assert C.shared_seed(Request("", temperature=0.7, seed=5)).seed == 5
 
 
 def _result(policy, i, tokens, steps, wall=100.0, ttft=10.0, temperature=0.0):
@@ -114,11 +113,9 @@ def test_whatif_table_and_best():
 
 # -- compare: live on the tiny pair ----------------------------------------------------------------
 def test_greedy_policies_emit_the_same_tokens(tiny_pair):
-    from engine.lab.generation import GenConfig
-
     seen = []
-    results = C.run_policies(tiny_pair, ["Hello there", "def f(x):"], ["fixed:2", "ar"], GenConfig(max_new_tokens=12),
-                             lambda spec: None, on_run=seen.append, label="compare-test")
+    results = run_policies(tiny_pair, ["Hello there", "def f(x):"], ["fixed:2", "ar"], Request("", max_new_tokens=12, label="compare-test"),
+                          lambda spec: None, on_run=seen.append)
     assert [(r.prompt_index, r.policy) for r in results] == [(0, "fixed:2"), (0, "ar"), (1, "fixed:2"), (1, "ar")]
     assert seen == results
     assert all(r.row["config"]["compare"] == "compare-test" and r.row["policy"] == r.policy for r in results)
@@ -133,7 +130,6 @@ def test_greedy_policies_emit_the_same_tokens(tiny_pair):
 
 def test_runs_wait_for_the_decode_slot(tiny_pair):
     """Another decode holds the slot: run_policies says who (on_wait) and waits for it."""
-    from engine.lab.generation import GenConfig
     from engine.lab.slots import decode_slot
 
     held, release, waits = threading.Event(), threading.Event(), []
@@ -151,7 +147,7 @@ def test_runs_wait_for_the_decode_slot(tiny_pair):
             waits.append(busy)
             release.set()  # the other decode ends; this one then takes the slot
 
-        results = C.run_policies(tiny_pair, ["Hi"], ["ar", "fixed:1"], GenConfig(max_new_tokens=4), lambda s: None,
+        results = run_policies(tiny_pair, ["Hi"], ["ar", "fixed:1"], Request("", max_new_tokens=4), lambda s: None,
                                  on_wait=on_wait)
     finally:
         release.set()
@@ -160,11 +156,9 @@ def test_runs_wait_for_the_decode_slot(tiny_pair):
 
 
 def test_a_bad_policy_fails_before_any_decode(tiny_pair):
-    from engine.lab.generation import GenConfig
-
     seen = []
     with pytest.raises(ValueError):
-        C.run_policies(tiny_pair, ["Hi"], ["ar", "fixed:99"], GenConfig(max_new_tokens=4), lambda s: None, on_run=seen.append)
+        run_policies(tiny_pair, ["Hi"], ["ar", "fixed:99"], Request("", max_new_tokens=4), lambda s: None, on_run=seen.append)
     assert not seen
 
 
@@ -241,12 +235,10 @@ def test_downloads_round_trip():
 
 
 def test_one_seed_reproduces_a_sampling_comparison(tiny_pair):
-    from engine.lab.generation import GenConfig
-
-    cfg = GenConfig(max_new_tokens=10, temperature=1.0)
-    first = C.run_policies(tiny_pair, ["Hi"], ["ar", "fixed:3"], cfg, lambda s: None)
+    cfg = Request("", max_new_tokens=10, temperature=1.0)
+    first = run_policies(tiny_pair, ["Hi"], ["ar", "fixed:3"], cfg, lambda s: None)
     seed = first[0].row["seed"]
     assert seed is not None and first[1].row["seed"] == seed  # one seed drawn for every policy
-    again = C.run_policies(tiny_pair, ["Hi"], ["ar", "fixed:3"], GenConfig(max_new_tokens=10, temperature=1.0, seed=seed),
+    again = run_policies(tiny_pair, ["Hi"], ["ar", "fixed:3"], Request("", max_new_tokens=10, temperature=1.0, seed=seed),
                            lambda s: None)
     assert [r.token_ids for r in again] == [r.token_ids for r in first]

@@ -346,30 +346,34 @@ def test_cli_tune_without_a_database_file(tmp_path, capsys):
     assert "no KV measurements for SmolLM2-135M-Instruct yet" in capsys.readouterr().err and not missing.exists()
 
 
-# -- measure_kv: bench/kv.py imported lazily ----------------------------------------------------------
-def test_measure_kv_calls_the_benchmark_and_reports_an_import_failure(tmp_path, monkeypatch):
+# -- measure_kv: engine/service/kv_measure.py imported lazily -----------------------------------------
+MEASURE = "engine.service.kv_measure"
+
+
+def test_measure_kv_calls_the_measurement_and_reports_an_import_failure(tmp_path, monkeypatch):
     from engine.service import latest_kv_measurement, measure_kv
 
-    monkeypatch.setitem(sys.modules, "bench.kv", None)  # an import that fails
+    monkeypatch.setitem(sys.modules, MEASURE, None)  # an import that fails
     with pytest.raises(ValueError) as e:
         measure_kv(str(tmp_path / "kv.duckdb"))
-    assert str(e.value).startswith("cannot load the KV benchmark bench/kv.py: ") and "\n" not in str(e.value)
+    assert str(e.value).startswith("cannot load the KV benchmark (engine/service/kv_measure.py): ")
+    assert "\n" not in str(e.value)
 
     calls = []
-    monkeypatch.setitem(sys.modules, "bench.kv", _fake_bench(calls))
+    monkeypatch.setitem(sys.modules, MEASURE, _fake_measure(calls))
     db = str(tmp_path / "kv.duckdb")
     assert measure_kv(db) == 0
     assert calls == [["--db", db, "--quick"]]
     row, notes = latest_kv_measurement(db, None)
     assert row["result"]["window"] == 512 and notes == []
-    monkeypatch.setitem(sys.modules, "bench.kv", types.ModuleType("bench.kv"))
-    with pytest.raises(ValueError, match=r"bench/kv.py has no run\(argv\)"):
+    monkeypatch.setitem(sys.modules, MEASURE, types.ModuleType(MEASURE))
+    with pytest.raises(ValueError, match=r"cannot load the KV benchmark .*cannot import name 'run'"):
         measure_kv(db)
 
 
-def _fake_bench(calls: list) -> types.ModuleType:
-    """A stand-in for bench/kv.py: stores the synthetic measurement where --db says."""
-    mod = types.ModuleType("bench.kv")
+def _fake_measure(calls: list) -> types.ModuleType:
+    """A stand-in for kv_measure: stores the synthetic measurement where --db says."""
+    mod = types.ModuleType(MEASURE)
 
     def run(argv: list[str]) -> int:
         calls.append(list(argv))
@@ -412,14 +416,14 @@ def test_page_with_an_empty_database_offers_to_measure(page_env, monkeypatch):
     assert [b.label for b in at.button] == ["Measure now (about 5 minutes)"]
     assert not at.dataframe and not at.get("plotly_chart")
 
-    monkeypatch.setitem(sys.modules, "bench.kv", None)  # the benchmark cannot be imported: one line
+    monkeypatch.setitem(sys.modules, MEASURE, None)  # the measurement cannot be imported: one line
     at.button(key="kv_measure").click().run()
     assert not at.exception
     errors = _errors(at)
     assert len(errors) == 1 and errors[0].startswith("cannot load the KV benchmark") and "\n" not in errors[0]
 
     calls: list = []
-    monkeypatch.setitem(sys.modules, "bench.kv", _fake_bench(calls))
+    monkeypatch.setitem(sys.modules, MEASURE, _fake_measure(calls))
     at.button(key="kv_measure").click().run()
     assert not at.exception and not _errors(at), _errors(at)
     assert calls == [["--db", str(page_env), "--quick"]]

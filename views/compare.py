@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import time
+from dataclasses import replace
 
 import pandas as pd
 import plotly.graph_objects as go
@@ -15,9 +16,9 @@ from engine.base.names import KV_TIERS, WEIGHT_TIERS
 from engine.datasets.prompts import WORKBENCH_PROMPT
 from engine.decode.policies import DEFAULT_POLICY, POLICY_EXAMPLES, parse_policy
 from engine.lab import side_by_side as C
-from engine.lab.generation import GenConfig
 from engine.lab.slots import decode_slot
 from engine.service import context_for, replay_rows
+from engine.service.runs import Request, check, run_policies
 from store import Store
 from views.common import get_pair, save_run, settings, show_error
 
@@ -81,15 +82,16 @@ def run_compare(inp: dict) -> dict | None:
     try:
         specs = C.check_policies(inp["policies"])
         prompts = C.parse_prompts(inp["prompts"])
-        cfg = C.shared_seed(GenConfig(max_new_tokens=inp["max_new_tokens"], temperature=inp["temperature"],
-                                      seed=inp["seed"], kv_tier=inp["kv_tier"], reuse=False))
-        cfg.validate()
+        label = C.compare_label()
+        req = C.shared_seed(Request("", chat=inp["chat"], max_new_tokens=inp["max_new_tokens"],
+                                    temperature=inp["temperature"], seed=inp["seed"], kv_tier=inp["kv_tier"],
+                                    reuse=False, label=label))
+        check(replace(req, prompt=prompts[0]))
         pair = get_pair(s, inp["tier"])
         st.session_state[PROPOSERS_KEY] = C.proposers_of(pair)
         with st.spinner("Reading cost tables and controllers (measured once when missing)…"):
             with decode_slot("a comparison (cost tables)", on_wait):  # measuring a cost table runs the models
                 ctxs = {spec: context_for(s.db, pair, spec, kv_tier=inp["kv_tier"]) for spec in specs}
-        label = C.compare_label()
         total = len(specs) * len(prompts)
 
         def on_run(res: C.Result) -> None:
@@ -100,8 +102,7 @@ def run_compare(inp: dict) -> dict | None:
 
         progress_ph.progress(0.0, text=f"0/{total} runs")
         # No prefix cache: a later policy would find the earlier one's prompt and win on TTFT.
-        results = C.run_policies(pair, prompts, specs, cfg, ctxs.get, prefix=None, on_run=on_run,
-                                 on_wait=on_wait, chat=inp["chat"], label=label)
+        results = run_policies(pair, prompts, specs, req, ctxs.get, prefix=None, on_run=on_run, on_wait=on_wait)
     except Exception as e:  # noqa: BLE001 - one line in the UI, never a traceback
         wait_ph.empty()
         progress_ph.empty()
@@ -111,7 +112,7 @@ def run_compare(inp: dict) -> dict | None:
     progress_ph.empty()
     tok = pair.tokenizer
     return dict(
-        results=results, label=label, greedy=C.greedy(results), seed=cfg.seed, saved=_saved_line(saved),
+        results=results, label=label, greedy=C.greedy(results), seed=req.seed, saved=_saved_line(saved),
         diffs=C.output_differences(results, lambda ids: tok.decode(ids, skip_special_tokens=False)),
         outputs={(r.prompt_index, r.policy): r.row["output"] for r in results},
         prompts=prompts, policies=specs,

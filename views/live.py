@@ -15,14 +15,12 @@ from engine.datasets.prompts import WORKBENCH_PROMPT
 from engine.decode.policies import (
     DEFAULT_POLICY,
     POLICY_EXAMPLES,
-    make_policy,
-    parse_policy,
 )
 from engine.decode.records import PROPOSER_NAMES
-from engine.lab.generation import GenConfig, Generation, encode_prompt, run_row
+from engine.lab.generation import Generation
 from engine.lab.side_by_side import policy_options, proposers_of
 from engine.lab.slots import decode_slot
-from engine.service import context_for
+from engine.service.runs import Request, check, keep, open_generation
 from views.common import (
     Saved,
     get_pair,
@@ -192,6 +190,11 @@ def inputs() -> tuple[bool, dict]:
 
 
 # -- a generation ----------------------------------------------------------------------------------
+def request_of(inp: dict) -> Request:
+    return Request(inp["prompt"], inp["policy"], inp["chat"], None, inp["max_new_tokens"], inp["temperature"],
+                   inp["top_p"], inp["seed"], inp["kv_tier"], inp["reuse"])
+
+
 def _step_row(rec, tokenizer, why: str) -> dict:
     row = {k: v for k, v in asdict(rec).items() if k in TABLE_COLUMNS}
     row["text"] = tokenizer.decode(rec.token_ids, skip_special_tokens=False)
@@ -204,16 +207,13 @@ def generate(inp: dict, out_ph, chart_ph, status_ph) -> dict | None:
     (already shown)."""
     s = settings()
     try:
-        parse_policy(inp["policy"])  # fail fast on a bad spec, before loading any model
+        req = request_of(inp)
+        check(req)  # fail fast on a bad spec, before loading any model
         pair = get_pair(s, inp["tier"])
         st.session_state[PROPOSERS_KEY] = proposers_of(pair)
-        with st.spinner("Reading the cost table and controller (measured once when missing)…"):
-            ctx = context_for(s.db, pair, inp["policy"], kv_tier=inp["kv_tier"])  # speckv/rakv need them
-        ids = encode_prompt(pair.tokenizer, inp["prompt"], chat=inp["chat"])
-        cfg = GenConfig(max_new_tokens=inp["max_new_tokens"], temperature=inp["temperature"],
-                        top_p=inp["top_p"], seed=inp["seed"], reuse=inp["reuse"], kv_tier=inp["kv_tier"])
         prefix = get_prefix_cache(s, inp["tier"], inp["budget_mib"])
-        gen = Generation(pair, ids, make_policy(inp["policy"], ctx), cfg, prefix)
+        with st.spinner("Reading the cost table and controller (measured once when missing)…"):
+            gen = open_generation(pair, req, s.db, prefix=prefix)  # speckv/rakv read their costs and controller
     except Exception as e:  # noqa: BLE001 - one line in the UI, never a traceback
         show_error(e)
         return None
@@ -259,8 +259,8 @@ def _result(gen: Generation, pair, inp: dict, prefix, steps: list[dict], ui_s: f
     """The finished (or stopped) generation, stored, as the page shows it."""
     tok = pair.tokenizer
     try:
-        row = run_row(gen, inp["prompt"], inp["policy"], inp["chat"])
-        saved = save_run(db, row, [asdict(r) for r in gen.records])
+        kept = keep(gen, request_of(inp))  # the row every caller stores for a run
+        saved = save_run(db, kept.row, kept.steps)
     except Exception as e:  # noqa: BLE001 - the result is still shown
         saved = Saved(None, "error", f"run not stored: {type(e).__name__}: {e}")
     return dict(

@@ -98,36 +98,28 @@ def _open_or_fail(db: str) -> None:
                            "overrides it")),
          models=True, db="DuckDB file for the run; '' stores nothing")
 def cmd_generate(a: argparse.Namespace) -> int:
-    from engine.decode.policies import make_policy, parse_policy
-    from engine.lab.generation import GenConfig, Generation, encode_prompt, run_row
-    from engine.service import context_for, store_run
+    from engine.runtime.prefix_cache import PrefixCache
+    from engine.service.runs import Request, check, keep, open_generation
 
     if a.config:
         _apply_config(a, _tuned(a, "generate"))
-    parse_policy(a.policy)  # before loading models: a typo should fail in milliseconds
-    from engine.runtime.prefix_cache import PrefixCache
-
-    cfg = GenConfig(max_new_tokens=a.max_new_tokens, temperature=a.temperature, top_p=a.top_p, seed=a.seed,
-                    kv_tier=a.kv_tier, reuse=not a.no_reuse)
-    cfg.validate()
+    req = Request(a.prompt, a.policy, a.chat, a.task, a.max_new_tokens, a.temperature, a.top_p, a.seed,
+                  a.kv_tier, reuse=not a.no_reuse)
+    check(req)  # before loading models: a typo should fail in milliseconds
     prefix = PrefixCache(int(a.prefix_budget * 2**20))  # a budget ≤ 0 fails here, before any model loads
     _open_or_fail(a.db)
     pair = _load(a, a.target_tier, progress=lambda m: None)
-    policy = make_policy(a.policy, context_for(a.db, pair, a.policy, _say, cfg.kv_tier))  # speckv/rakv: costs, controller
-    gen = Generation(pair, encode_prompt(pair.tokenizer, a.prompt, a.chat), policy, cfg, prefix)
+    gen = open_generation(pair, req, a.db, prefix=prefix, say=_say)  # speckv/rakv: costs, controller
     shown = ""
     for _ in gen:
         if not a.json:  # stream: print what the new tokens add to the decoded text
             text = pair.tokenizer.decode(gen.token_ids, skip_special_tokens=True)
             print(text[len(shown):], end="", flush=True)
             shown = text
-    row = run_row(gen, a.prompt, policy.name, a.chat, a.task)
-    steps = [dataclasses.asdict(r) for r in gen.records]
-    run_id = None
-    if a.db:
-        run_id, staged, note = store_run(a.db, row, steps)
-        if staged:
-            _say(f"warning: {note}")
+    kept = keep(gen, req, a.db)
+    row, steps, run_id, cfg, policy = kept.row, kept.steps, kept.run_id, gen.cfg, gen.policy
+    if kept.staged:
+        _say(f"warning: {kept.note}")
     s = gen.summary
     if a.json:
         print(json.dumps(dict(

@@ -13,7 +13,7 @@ from __future__ import annotations
 import itertools
 import statistics
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from typing import Callable, Iterable
 
 import torch
@@ -22,7 +22,7 @@ from engine.base.helpers import median_ms
 from engine.decode.costs import CONTEXT_BUCKETS, REPS, WARMUP, CostTable, DraftCost
 from engine.decode.policies import K_MAX, make_policy
 from engine.decode.records import UNBOUNDED, DraftToken
-from engine.lab.generation import GenConfig, Generation, encode_prompt, run_row
+from engine.lab.generation import GenConfig, Generation, encode_prompt
 from engine.oracles import PROPOSERS, available, build
 from engine.oracles.model import (
     DraftModelProposer,
@@ -271,15 +271,6 @@ def sweep_jobs(prompts: Iterable[tuple[str, str]], tiers: list[str], policies: l
     prompt, then policy."""
     prompts, kv_tiers = list(prompts), list(kv_tiers)
     return [Job(t, task, p, pol, kv) for t, kv, (task, p), pol in itertools.product(tiers, kv_tiers, prompts, policies)]
-
-
-def run_job(pair: ModelPair, job: Job, context, max_new_tokens: int, chat: bool = True) -> tuple[dict, list[dict]]:
-    """One live run of a sweep: its `runs` row and `steps` rows."""
-    ids = encode_prompt(pair.tokenizer, job.prompt, chat)
-    cfg = GenConfig(max_new_tokens=max_new_tokens, kv_tier=job.kv_tier)
-    gen = Generation(pair, ids, make_policy(job.policy, context), cfg).run()
-    row = run_row(gen, job.prompt, job.policy, chat, job.task)
-    return row, [asdict(r) for r in gen.records]
 
 
 def pending(jobs: list[Job], done: set[tuple[str, str, str, str]]) -> list[Job]:

@@ -10,13 +10,12 @@ from __future__ import annotations
 import datetime as dt
 import random
 import uuid
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Sequence
 
 import pandas as pd
 
 from engine.decode.policies import NEEDS_CONTEXT, make_policy, parse_policy
-from engine.lab.slots import decode_slot
 
 MIN_POLICIES, MAX_POLICIES = 2, 4
 MAX_PROMPTS = 16  # one after another on 2 CPU cores: more is a sweep (the Profile page)
@@ -98,40 +97,6 @@ def shared_seed(cfg):
     if cfg.seed is None and cfg.temperature > 0:
         return replace(cfg, seed=random.randrange(2**31))
     return cfg
-
-
-# -- running ---------------------------------------------------------------------------------------
-def run_policies(pair, prompts: Sequence[str], policies: Sequence[str], cfg, ctx_for: Callable[[str], Any],
-                 prefix=None, on_run: Callable[[Result], None] = lambda r: None,
-                 on_wait: Callable[[str], None] = lambda busy: None, chat: bool = True,
-                 label: str | None = None, task: str | None = None) -> list[Result]:
-    """Every policy on every prompt, prompt-major, one run at a time, each inside the decode
-    slot (`on_wait(holder)` is called when another decode holds it). `ctx_for(spec)` gives the
-    PolicyContext a spec needs (None for most). Each policy gets a fresh Policy per run (adaptive
-    ones learn within a run) and the same config, seed included. `on_run` sees each run as it
-    ends (the page stores it there). A prefix cache, if given, is shared by the runs: the later
-    policies would then find the earlier ones' prompts, so the page passes None for a fair TTFT."""
-    from engine.lab.generation import Generation, encode_prompt, run_row
-
-    specs = check_policies(policies)
-    for spec in specs:  # a bad spec or a missing controller fails before the first decode
-        make_policy(spec, ctx_for(spec))
-    cfg = shared_seed(cfg)
-    cfg.validate()
-    encoded = [encode_prompt(pair.tokenizer, p, chat=chat) for p in prompts]
-    out: list[Result] = []
-    for i, (prompt, ids) in enumerate(zip(prompts, encoded)):
-        for spec in specs:
-            gen = Generation(pair, ids, make_policy(spec, ctx_for(spec)), cfg, prefix)
-            with decode_slot(f"a comparison ({spec})", on_wait):
-                gen.run()
-            row = run_row(gen, prompt, spec, chat, task)
-            if label:
-                row["config"] = dict(row["config"], compare=label)
-            res = Result(spec, prompt, i, row, [asdict(r) for r in gen.records])
-            out.append(res)
-            on_run(res)
-    return out
 
 
 # -- figures ---------------------------------------------------------------------------------------

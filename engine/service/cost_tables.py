@@ -1,0 +1,120 @@
+"""The cost tables and controllers a run's policy reads: measured once per (device, pair, tiers),
+then read from the store; calibrated to stored live steps; the PolicyContext `speckv`/`rakv` need."""
+from __future__ import annotations
+
+from typing import Callable
+
+from engine.decode.acceptance import Predictor
+from engine.decode.costs import REPS, CostTable, calibrate
+from engine.decode.policies import NEEDS_CONTEXT, PolicyContext, make_policy, parse_policy
+from engine.lab.whatif import tier_label
+from store import Store
+
+ALPHA_MIN_STEPS = 32  # drafting steps of stored runs before their acceptance replaces rakv's default prior
+
+
+
+# -- costs -------------------------------------------------------------------------------------
+def cost_key(pair, kv_tier: str = "native") -> tuple:
+    """(device, target, draft, target tier, draft tier, KV tier): what a cost table is measured for."""
+    return (str(pair.device), pair.target_name, pair.draft_name, pair.target_tier, pair.draft_tier, kv_tier)
+
+
+
+def stored_costs(store: Store, key: tuple) -> CostTable | None:
+    """The newest cost table stored for `key`, or None."""
+    rows = store.costs(*key).to_dict("records")
+    return CostTable.from_rows(rows) if rows else None
+
+
+
+def cost_table(store: Store, pair, say: Callable[[str], None] = lambda m: None, kv_tier: str = "native") -> CostTable:
+    """The newest stored cost table for this pair, tier and KV tier; measured (and stored) when
+    absent, or when it lacks a proposer the pair has (a table from before that proposer)."""
+    from engine.oracles import available
+
+    table = stored_costs(store, cost_key(pair, kv_tier))
+    if table is None or not set(available(pair)) <= set(table.proposers):
+        from engine.lab.profiling import measure_costs
+
+        say(f"measuring costs for {pair.target_name} at {tier_label(pair.target_tier, kv_tier)} (once; stored)…")
+        table = measure_costs(pair, kv_tier=kv_tier)
+        store.add_costs(table.to_rows(REPS))
+    return table
+
+
+
+def calibrate_costs(store: Store, key: tuple) -> CostTable:
+    """Stores (and returns) the cost table of `key` (cost_key's) calibrated against the stored
+    live steps of that pair, device, tier and KV tier (engine/costs.py, `calibrate`)."""
+    kv_tier = key[5] if len(key) > 5 and key[5] else "native"
+    table = stored_costs(store, key)
+    if table is None:
+        raise ValueError(f"no cost table for {key[1]} + {key[2]} at {tier_label(key[3], kv_tier)} on {key[0]}: "
+                         "run `python -m engine costs` first")
+    table = calibrate(table, store.step_times(*key[:4], kv_tier=kv_tier).itertuples(index=False, name=None))
+    store.add_costs(table.to_rows(REPS))
+    return table
+
+
+
+def calibrate_all(store: Store) -> list[tuple[tuple, CostTable | str]]:
+    """Every stored cost table calibrated where its live steps allow: (key, table or the reason not)."""
+    from store.tables import COST_KEY
+
+    out: list[tuple[tuple, CostTable | str]] = []
+    for key in store.costs()[list(COST_KEY)].drop_duplicates().itertuples(index=False, name=None):
+        try:
+            out.append((key, calibrate_costs(store, key)))
+        except ValueError as e:
+            out.append((key, str(e)))
+    return out
+
+
+
+# -- policy context ------------------------------------------------------------------------------
+def controller_loader(store: Store) -> Callable[[str, int | None], Predictor]:
+    """Loads stored controllers by (name, version), each once: a context built while the store
+    is open keeps working after it closes."""
+    cache: dict = {}
+
+    def load(name: str, version: int | None) -> Predictor:
+        if (name, version) not in cache:
+            params, meta = store.controller(name, version)
+            cache[(name, version)] = Predictor(meta["kind"], params, meta)
+        return cache[(name, version)]
+
+    return load
+
+
+
+def policy_context(store: Store, pair, say: Callable[[str], None] = lambda m: None,
+                   kv_tier: str = "native") -> PolicyContext:
+    """What `speckv`/`rakv` need on this pair at this KV tier: its cost table, the store's
+    controllers, and the pair's per-token acceptance on this tier where stored runs measured it
+    (rakv's prior)."""
+    from engine.oracles import available
+
+    priors = {}
+    for name in available(pair):
+        hits, n = store.first_token_acceptance(*cost_key(pair)[:4], kv_tier=kv_tier, proposer=name)
+        if n >= ALPHA_MIN_STEPS:
+            priors[name] = hits / n
+    return PolicyContext(costs=cost_table(store, pair, say, kv_tier), controller=controller_loader(store),
+                         alpha0=priors.get("draft"), priors=priors)
+
+
+
+def context_for(db: str, pair, spec: str, say: Callable[[str], None] = lambda m: None,
+                kv_tier: str = "native") -> PolicyContext | None:
+    """The PolicyContext `spec` needs on `pair` at `kv_tier` (None for policies that need
+    nothing), loaded from the store now so that a long generation holds no database file open."""
+    name = parse_policy(spec)[0]
+    if name not in NEEDS_CONTEXT:
+        return None
+    if not db:
+        raise ValueError(f"policy {name} reads its cost table and controller from a database: pass --db")
+    with Store(db) as st:
+        ctx = policy_context(st, pair, say, kv_tier)
+        make_policy(spec, ctx)  # loads (and caches) the controller while the file is open
+    return ctx

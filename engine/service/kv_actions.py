@@ -1,0 +1,119 @@
+"""The KV & prefetch actions: the newest `bench kv` measurement of a target, the tuner's
+recommendation over it (service/kv_tuner.py), the page's view of one choice, and measuring."""
+from __future__ import annotations
+
+from typing import Any
+
+from engine.base.helpers import one_line
+from engine.base.names import KV_TIERS
+from engine.service.runs import file_missing
+from engine.service.sweeps import parse_tiers
+from store import Store
+
+# -- KV tuning (engine/kv/tuner.py) and measurement (bench/kv.py) ------------------------------------
+# Rough wall time of `bench kv` on this project's 2-core CPU, for the page's button (quick / full).
+MEASURE_KV_MINUTES = {True: 5, False: 30}
+
+
+
+
+def latest_kv_measurement(db: str, target: str | None, target_tier: str | None = None
+                          ) -> tuple[dict, list[str]] | None:
+    """The newest stored `bench kv` row of the target (at `target_tier`, else any tier, noted), its
+    result parsed, with the notes; None when the file or such a row does not exist yet (not an error:
+    nothing has been measured). Opened read-only, so a running benchmark keeps the file."""
+    from engine.service import kv_tuner as tuner
+
+    if file_missing(db):
+        return None
+    with Store(db, read_only=True, wait_s=3.0) as st:
+        if not len(st.kv_measurements(target=tuner.target_name(target), kind="bench")):
+            return None
+        return tuner.newest_measurement(st, target, target_tier)
+
+
+
+def tune_kv(db: str, target: str | None, target_tier: str | None, context: int, link_gbit_s: float,
+            goal: str) -> dict[str, Any]:
+    """`tune`: our KV recommendation from the newest stored measurement beside the seed preset and
+    the contradictions, as one JSON-ready dict (ours, seed, contradictions, table, notes,
+    measurement). Inputs are checked before the file is opened."""
+    from engine.service import kv_tuner as tuner
+
+    tuner.check_inputs(context, link_gbit_s, goal)
+    if target_tier is not None:
+        parse_tiers(target_tier)
+    if file_missing(db):
+        raise ValueError(tuner.no_measurement(target))
+    with Store(db, read_only=True, wait_s=3.0) as st:
+        ours, seed, contra = tuner.tune(st, target, target_tier, context, link_gbit_s, goal)
+    f = ours.figures
+    return dict(ours=ours.as_dict(), seed=seed.as_dict(), contradictions=contra,
+                table=tuner.comparison_rows(ours, seed), notes=list(ours.notes),
+                measurement=dict(measurement_id=f.get("measurement_id"), created_at=f.get("created_at"),
+                                 device=f.get("device"), target=tuner.target_name(target),
+                                 target_tier=f.get("measured_target_tier"), acceptance_tier=f.get("target_tier")))
+
+
+
+def format_tune(out: dict[str, Any]) -> str:
+    """`tune`'s text: the measurement it read, choice | measured | seed | why, the contradictions."""
+    m, o = out["measurement"], out["ours"]
+    acc = f" (acceptance and γ at {m['acceptance_tier']})" if m["acceptance_tier"] != m["target_tier"] else ""
+    head = (f"{m['target']} at {m['target_tier']}{acc} on {m['device']}: measurement {m['measurement_id']} "
+            f"({m['created_at']}) · {o['context']} tokens over {o['link_gbit_s']:g} Gbit/s · goal {o['goal']}")
+    rows = [dict(choice="choice", measured="measured", seed="seed", why="why")] + out["table"]
+    width = {k: max(len(r[k]) for r in rows) for k in ("choice", "measured", "seed")}
+    lines = [head] + [f"{r['choice']:{width['choice']}}  {r['measured']:{width['measured']}}  "
+                      f"{r['seed']:{width['seed']}}  {r['why']}" for r in rows]
+    lines += ["contradictions with the seed:"] + [f"  - {c}" for c in out["contradictions"] or ["none"]]
+    if out["notes"]:
+        lines += ["notes:"] + [f"  - {n}" for n in out["notes"]]
+    return "\n".join(lines)
+
+
+
+def kv_view(row: dict, kv_tier: str, coded: bool, predictor: str | None, window: int, context: int,
+            link_gbit_s: float, goal: str, target_tier: str | None = None) -> dict[str, Any]:
+    """What the KV & prefetch page draws for one stored row and its inputs: bits per tier × coding,
+    speeds, the restore curve of the chosen tier (measured and modelled at this context and W), the
+    W and context sweeps, acceptance, the chosen setting's modelled restore, the recommendation
+    beside the seed and the contradictions. ValueError for bad inputs, in one line."""
+    from engine.service import kv_tuner as tuner
+
+    tuner.check_inputs(context, link_gbit_s, goal)
+    if kv_tier not in KV_TIERS:
+        raise ValueError(f"unknown KV tier {kv_tier!r}; known: {', '.join(KV_TIERS)}")
+    if isinstance(window, bool) or not isinstance(window, int) or window < 1:
+        raise ValueError(f"W must be a whole number of tokens ≥ 1, got {window!r}")
+    m, notes = row["result"], []
+    if window > context:
+        notes.append(f"W {window} exceeds the context ({context} tokens): one window of {context}")
+    w = min(window, context)
+    ours, seed, contra = tuner.tune_row(row, context, link_gbit_s, goal, target_tier)
+    cost, cost_notes = tuner.tier_cost(m, kv_tier, predictor, window)
+    restore = {k: tuner.restore_seconds(cost, context, w, link_gbit_s, k) for k in (True, False)}
+    return dict(
+        bits=tuner.bits_rows(m, predictor), speeds=tuner.speeds(m, predictor),
+        restore=tuner.restore_rows(m, kv_tier, predictor, w, context),
+        breakeven=dict(measured=tuner.measured_breakeven(m, kv_tier), modelled=tuner.modelled_breakeven(cost, context, w)),
+        by_window=tuner.window_rows(m, kv_tier, context, link_gbit_s), by_context=tuner.context_rows(m),
+        acceptance=tuner.acceptance_rows(m),
+        chosen=dict(kv_tier=kv_tier, coded=coded, window=w, bits=tuner.bits(m, kv_tier, coded, predictor),
+                    restore_s=restore[coded], other_s=restore[not coded]),
+        ours=ours.as_dict(), seed=seed.as_dict(), table=tuner.comparison_rows(ours, seed), contradictions=contra,
+        missing=tuner.missing(m), notes=notes + cost_notes + list(ours.notes),
+    )
+
+
+
+def measure_kv(db_path: str, quick: bool = True, target: str | None = None) -> object:
+    """Runs the KV measurement (`python -m engine bench kv`) into `db_path`: kv_measure's
+    `run(argv)` with `--db PATH` (`--quick` for the short version, `--target ID` when given), which
+    stores its result with `Store.add_kv_measurement`; returns what `run` returns. Imported only
+    now: it loads models. A measurement that cannot be imported is a ValueError in one line."""
+    try:
+        from engine.service.kv_measure import run
+    except Exception as e:  # noqa: BLE001 - whatever broke the import, the user gets one line
+        raise ValueError(f"cannot load the KV benchmark (engine/service/kv_measure.py): {one_line(e)}") from None
+    return run(["--db", db_path] + (["--quick"] if quick else []) + (["--target", target] if target else []))

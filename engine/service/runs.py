@@ -1,0 +1,192 @@
+"""One generation, from a request to a stored run: the one owner of "run one generation", which the
+CLI's `generate`, the Live page, Compare, profiling sweeps and the benchmarks all call, so a run's
+row is the same whoever made it. Also the newest live run and the stored exports.
+
+    req = Request(prompt, policy="rakv", task="code")
+    gen = open_generation(pair, req, db)         # parse, context, policy, Generation (no decode yet)
+    for rec in gen: ...                          # stream (the page, the CLI), or gen.run()
+    kept = keep(gen, req, db)                    # the run row and steps, stored
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import asdict, dataclass, replace
+from typing import Any, Callable, Sequence
+
+from engine.decode.policies import DEFAULT_POLICY, make_policy, parse_policy
+from engine.lab.side_by_side import Result, check_policies, shared_seed
+from engine.lab.slots import decode_slot
+from engine.service.cost_tables import context_for
+from store import Store
+
+AUTO = object()  # open_generation's context: read it from the database (context_for)
+
+
+@dataclass(frozen=True)
+class Request:
+    """One generation as a user asks for it. The policy is stored as typed (its spec, options
+    included), so a run names exactly what ran; `task` labels it for the Runs page and retraining."""
+    prompt: str
+    policy: str = DEFAULT_POLICY  # a policy spec: `fixed:4`, `rakv@draft+ngram`, …
+    chat: bool = True  # apply the tokenizer's chat template
+    task: str | None = None  # code, math, chat, summarization, or None when unknown
+    max_new_tokens: int = 128  # generated tokens, EOS included
+    temperature: float = 0.0  # 0 = greedy; > 0 = exact speculative sampling
+    top_p: float = 1.0  # nucleus filter on both laws
+    seed: int | None = None  # drawn (and stored) when None
+    kv_tier: str = "native"  # the target's KV cache tier
+    reuse: bool = True  # take a stored prefix from the prefix cache, when the run has one
+    sweep: str | None = None  # the profiling sweep the run belongs to
+    label: str | None = None  # a comparison's name, kept in the run's config as `compare`
+
+    def config(self):
+        """The GenConfig of this request, checked (a bad value fails before any model work)."""
+        from engine.lab.generation import GenConfig
+
+        cfg = GenConfig(max_new_tokens=self.max_new_tokens, temperature=self.temperature, top_p=self.top_p,
+                        seed=self.seed, kv_tier=self.kv_tier, reuse=self.reuse)
+        cfg.validate()
+        return cfg
+
+
+@dataclass
+class Kept:
+    """A finished generation as stored: its `runs` row, its `steps` rows, and where it went."""
+    row: dict[str, Any]
+    steps: list[dict[str, Any]]
+    run_id: str | None = None  # None: not stored (no database)
+    staged: bool = False  # the file was busy: staged as Parquet, ingested on the next open
+    note: str = ""
+
+
+def check(req: Request) -> None:
+    """Everything about a request that can fail without a model, in milliseconds."""
+    parse_policy(req.policy)
+    req.config()
+
+
+def open_generation(pair, req: Request, db: str | None = None, context: Any = AUTO, prefix=None,
+                    say: Callable[[str], None] = lambda m: None):
+    """The request's Generation, ready to stream or run: the prompt encoded, the policy made with
+    its context (`context`, or read from `db` for the policies that weigh costs)."""
+    from engine.lab.generation import Generation, encode_prompt
+
+    check(req)
+    ctx = context_for(db or "", pair, req.policy, say, req.kv_tier) if context is AUTO else context
+    ids = encode_prompt(pair.tokenizer, req.prompt, req.chat)
+    return Generation(pair, ids, make_policy(req.policy, ctx), req.config(), prefix)
+
+
+def run_row(gen, req: Request) -> dict[str, Any]:
+    """The `runs` row of a finished (or stopped) generation, the same whoever ran it."""
+    from engine.lab.generation import run_row as generation_row
+
+    row = generation_row(gen, req.prompt, req.policy, req.chat, req.task)
+    if req.sweep:
+        row["sweep"] = req.sweep
+    if req.label:
+        row["config"] = dict(row["config"], compare=req.label)
+    return row
+
+
+def keep(gen, req: Request, db: "str | Store | None" = None, wait_s: float = 10.0) -> Kept:
+    """Its row and steps, stored in `db` (a path, opened for this write only; an open Store; or
+    None/'' to store nothing)."""
+    kept = Kept(run_row(gen, req), [asdict(r) for r in gen.records])
+    if isinstance(db, Store):
+        kept.run_id = db.add_run(kept.row, kept.steps)
+    elif db:
+        kept.run_id, kept.staged, kept.note = store_run(db, kept.row, kept.steps, wait_s)
+    return kept
+
+
+def run_policies(pair, prompts: Sequence[str], policies: Sequence[str], req: Request, ctx_for: Callable[[str], Any],
+                 prefix=None, on_run: Callable[[Result], None] = lambda r: None,
+                 on_wait: Callable[[str], None] = lambda busy: None) -> list[Result]:
+    """Compare's runs: every policy on every prompt, prompt-major, one run at a time, each inside
+    the decode slot (`on_wait(holder)` is called when another decode holds it), each from `req`
+    with its prompt and policy. `ctx_for(spec)` gives the PolicyContext a spec needs (None for
+    most). Each policy gets a fresh Policy per run (adaptive ones learn within a run) and the same
+    config, seed included. `on_run` sees each run as it ends (the page stores it there). A prefix
+    cache, if given, is shared by the runs: the later policies would then find the earlier ones'
+    prompts, so the page passes None for a fair TTFT."""
+    specs = check_policies(policies)
+    for spec in specs:  # a bad spec or a missing controller fails before the first decode
+        make_policy(spec, ctx_for(spec))
+    req = shared_seed(req)
+    check(req)
+    out: list[Result] = []
+    for i, prompt in enumerate(prompts):
+        for spec in specs:
+            one = replace(req, prompt=prompt, policy=spec)
+            gen = open_generation(pair, one, context=ctx_for(spec), prefix=prefix)
+            with decode_slot(f"a comparison ({spec})", on_wait):
+                gen.run()
+            kept = keep(gen, one)
+            res = Result(spec, prompt, i, kept.row, kept.steps)
+            out.append(res)
+            on_run(res)
+    return out
+
+
+def generate(pair, req: Request, db: "str | Store | None" = None, context: Any = AUTO, prefix=None,
+             say: Callable[[str], None] = lambda m: None) -> tuple[Any, Kept]:
+    """Runs one request to its end and stores it: (the Generation, what was kept). With an open
+    Store as `db`, `context` must be given (the file is already open: nothing else reads it)."""
+    assert not (isinstance(db, Store) and context is AUTO), "pass the context with an open Store"
+    gen = open_generation(pair, req, None if isinstance(db, Store) else db, context, prefix, say).run()
+    return gen, keep(gen, req, db)
+
+
+def file_missing(db: str) -> bool:
+    """Whether reading `db` would find nothing: no name, or a file not made yet (reading must not
+    create one)."""
+    return not db or (db != ":memory:" and not os.path.exists(db))
+
+
+def store_run(db: str, row: dict, steps: list[dict], wait_s: float = 10.0) -> tuple[str, bool, str]:
+    """Stores a finished run and its steps: (run_id, staged?, a line saying what happened). The
+    file is opened only for the write, so other processes can use it in between; one that holds
+    it makes the store stage the run as Parquet, ingested on the next open (nothing is lost)."""
+    with Store(db, wait_s=wait_s) as st:
+        run_id = st.add_run(row, steps)
+        if st.staged:
+            return run_id, True, st.message
+        return run_id, False, f"stored as run {run_id} in {db}" + (f" ({st.message})" if st.message else "")
+
+
+
+def latest_live_run(db: str) -> dict | None:
+    """The newest finished live run (what the Export page starts from); None when there is none."""
+    if file_missing(db):
+        return None
+    with Store(db, wait_s=3.0) as st:
+        runs = st.runs(source="speclab")
+    runs = runs[runs["error"].isna()] if len(runs) else runs
+    return None if not len(runs) else runs.iloc[-1].to_dict()
+
+
+
+# -- exports (engine/export.py) -----------------------------------------------------------------
+def save_export(db: str, cfg, fmt: str, name: str | None = None) -> tuple[str, int, str]:
+    """Renders a TunedConfig in `fmt` and stores it as the next version of `name` (default: the
+    target and the policy): (name, version, text). The text is made before the file is opened."""
+    from engine.service.export import default_name, render
+
+    text = render(cfg, fmt)
+    name = (name or "").strip() or default_name(cfg)
+    if not db:
+        raise ValueError("an export is stored in a database: pass --db")
+    with Store(db, wait_s=3.0) as st:
+        return name, st.add_export(name, cfg.to_dict(), fmt, text), text
+
+
+
+def stored_exports(db: str):
+    """Every stored export, oldest first (empty when the file does not exist yet)."""
+    import pandas as pd
+
+    if file_missing(db):
+        return pd.DataFrame(columns=["name", "version", "format", "created_at"])
+    with Store(db, wait_s=3.0) as st:  # read-write: a file from before exports is migrated
+        return st.exports()

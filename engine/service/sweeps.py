@@ -1,0 +1,145 @@
+"""Prompt sets, tracing and profiling sweeps (resumable under a sweep name) and their tables."""
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Callable, ContextManager
+
+from engine.base.helpers import csv_list
+from engine.base.names import KV_TIERS, WEIGHT_TIERS
+from engine.decode.policies import NEEDS_CONTEXT, parse_policy, split_spec
+from engine.lab.whatif import tier_label
+from engine.service.cost_tables import policy_context
+from store import Store
+
+TRACE_POLICIES = "ar,fixed:1,fixed:2,fixed:3,fixed:4,fixed:6,fixed:8,heuristic,rules,speckv,rakv"
+
+
+
+def prompt_set(which: str, per_task: int | None) -> list[tuple[str, str]]:
+    """(task, prompt) pairs of a named set: heldout, bench or train."""
+    from engine.datasets import prompts as P
+
+    sets = {"heldout": lambda: P.heldout(per_task), "bench": lambda: P.bench_prompts(per_task or 2),
+            "train": lambda: P.training_prompts(per_task or 10)}
+    if which not in sets:
+        raise ValueError(f"unknown prompt set {which!r}; use one of {', '.join(sets)}")
+    return sets[which]()
+
+
+
+def _known(text: str, known: tuple[str, ...], what: str) -> list[str]:
+    """Comma-separated names, each one of `known`, at least one."""
+    names = csv_list(text)
+    bad = [t for t in names if t not in known]
+    if bad or not names:
+        raise ValueError(f"unknown {what}(s) {', '.join(bad) or '(none)'}; known: {', '.join(known)}")
+    return names
+
+
+
+def parse_tiers(text: str) -> list[str]:
+    return _known(text, WEIGHT_TIERS, "tier")
+
+
+
+def parse_kv_tiers(text: str) -> list[str]:
+    """Comma-separated KV tiers (native, fp8, int8), checked."""
+    return _known(text, KV_TIERS, "KV tier")
+
+
+
+# -- traces and sweeps ---------------------------------------------------------------------------
+def trace_prompts(st: Store, pair, prompts: list[tuple[str, str]], max_new_tokens: int,
+                  temperature: float | None = None, on_start: Callable[[int], None] = lambda n: None,
+                  on_trace: Callable[[], None] = lambda: None, kv_tier: str = "native") -> int:
+    """Traces the prompts not yet traced for this pair, tier, KV tier and length with every
+    proposer the pair has (a rerun resumes; a prompt traced before a proposer existed is traced
+    again, and its newest trace is the one replayed); each is stored as it is made. Returns how
+    many were made."""
+    from engine.lab.profiling import trace
+    from engine.oracles import available
+
+    have = st.traces(target=pair.target_name, draft=pair.draft_name, target_tier=pair.target_tier,
+                     kv_tier=kv_tier, max_new_tokens=max_new_tokens)
+    held = st.trace_proposers() if len(have) else {}
+    need = set(available(pair))
+    # A one-token output has no positions to hold proposals: done as it is.
+    done = {r["prompt"] for r in have.to_dict("records")
+            if need <= set(held.get(r["trace_id"], ())) or len(r["token_ids"]) <= 1}
+    todo = [(task, prompt) for task, prompt in prompts if prompt not in done]
+    on_start(len(todo))
+    for task, prompt in todo:
+        tr = trace(pair, prompt, task, max_new_tokens, temperature=temperature, kv_tier=kv_tier)
+        st.add_trace(tr.row, tr.positions)
+        on_trace()
+    return len(todo)
+
+
+
+def profile(st: Store, sweep: str, jobs: list, load: Callable[[str], object], max_new_tokens: int,
+            on_start: Callable[[int], None] = lambda n: None, on_run: Callable[[], None] = lambda: None,
+            say: Callable[[str], None] = lambda m: None,
+            guard: Callable[[Any], ContextManager[Any]] = lambda job: contextlib.nullcontext()) -> int:
+    """Runs the sweep's jobs that have no stored run in it yet, tier by tier (a tier's pair loads
+    once, through `load(tier)`), then KV tier by KV tier (the cost table policies weigh is the
+    KV tier's); each run is stored as it finishes, so an interrupted sweep keeps what it did and
+    a rerun resumes. Whatever runs the models (a KV tier's cost measurement, each run) runs inside
+    `guard(job)`: the workbench takes its decode slot there, and stops a sweep between runs by
+    raising from it (engine/jobs.py). Returns how many ran."""
+    from engine.lab.profiling import pending
+    from engine.service.runs import Request, generate
+
+    done = {(r["target_tier"], r["kv_tier"] if isinstance(r["kv_tier"], str) else "native", r["prompt"], r["policy"])
+            for r in st.runs(sweep=sweep).to_dict("records")}
+    todo = pending(jobs, done)
+    on_start(len(todo))
+    for tier in dict.fromkeys(j.tier for j in todo):
+        pair = load(tier)
+        for kv_tier in dict.fromkeys(j.kv_tier for j in todo if j.tier == tier):
+            mine = [j for j in todo if j.tier == tier and j.kv_tier == kv_tier]
+            learned = any(parse_policy(j.policy)[0] in NEEDS_CONTEXT for j in mine)
+            with guard(mine[0]):
+                ctx = policy_context(st, pair, say, kv_tier) if learned else None
+            for job in mine:
+                req = Request(job.prompt, job.policy, task=job.task, max_new_tokens=max_new_tokens,
+                              kv_tier=job.kv_tier, sweep=sweep)
+                with guard(job):
+                    generate(pair, req, st, context=ctx)
+                on_run()
+        del pair
+    return len(todo)
+
+
+
+def sweep_table(runs) -> dict:
+    """Per tier (`fp32`; `fp32/fp8` for a KV tier off native): tokens/s of each policy (all
+    tokens over all wall time of its runs; a prompt run several times counts once, at its median
+    wall time, so a passing slowdown of the machine does not land on whichever policy ran then),
+    the best fixed γ (any proposer: `fixed:4@ngram` counts as γ 4), and each adaptive policy against
+    max(ar, best fixed)."""
+    out = {}
+    kv = runs["kv_tier"].fillna("native").tolist() if "kv_tier" in runs else ["native"] * len(runs)
+    labels = [tier_label(t, k) for t, k in zip(runs["target_tier"], kv)]
+    for tier, df in runs.assign(_setting=labels).groupby("_setting", sort=True):
+        per_prompt = df.groupby(["policy", "prompt"])[["n_tokens", "wall_ms"]].median()
+        sums = per_prompt.groupby(level="policy").sum()
+        tps = {pol: float(r.n_tokens / (r.wall_ms / 1e3)) for pol, r in sums.iterrows()}
+        fixed = {p: v for p, v in tps.items() if p.startswith("fixed:")}
+        best_fixed = max(fixed, key=fixed.get) if fixed else None
+        peer = max([tps.get("ar", 0.0)] + ([fixed[best_fixed]] if best_fixed else []))
+        gamma = int(split_spec(best_fixed)[0].split(":")[1]) if best_fixed else None  # `fixed:4@ngram`: 4
+        out[tier] = dict(tokens_per_s=tps, best_fixed=best_fixed, best_gamma=gamma,
+                         peer=peer, vs_peer={p: v / peer for p, v in tps.items() if not p.startswith("fixed:") and p != "ar"},
+                         prompts=int(df["prompt"].nunique()))
+    return out
+
+
+
+def format_sweep(table: dict) -> str:
+    lines = []
+    for tier, t in table.items():
+        lines.append(f"{tier}: {t['prompts']} prompts; best fixed γ = {t['best_gamma']}; peer max(ar, best fixed) = {t['peer']:.2f} tok/s")
+        for pol, v in sorted(t["tokens_per_s"].items(), key=lambda kv: -kv[1]):
+            rel = f"  {t['vs_peer'][pol]:.3f}× peer" if pol in t["vs_peer"] else ""
+            lines.append(f"  {pol:14} {v:7.2f} tok/s{rel}")
+    return "\n".join(lines)
