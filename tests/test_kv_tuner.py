@@ -11,6 +11,10 @@ from pathlib import Path
 import pytest
 from streamlit.testing.v1 import AppTest
 
+from engine.base.names import KV_TIERS
+from engine.runtime.kv.pipeline import pipelined_seconds
+from engine.service import kv_figures as F
+from engine.service import kv_seed as S
 from engine.service import kv_tuner as T
 from store import Store
 
@@ -89,27 +93,27 @@ def db(tmp_path) -> Path:
 # -- the seed preset ---------------------------------------------------------------------------------
 @pytest.mark.parametrize("context,window,gamma", [
     (1, (512, 1024), (2, 4)), (8191, (512, 1024), (2, 4)), (8192, (1024, 2048), (4, 6)),
-    (65536, (1024, 2048), (4, 6)), (65537, (2048, 4096), (6, 8)), (T.MAX_CONTEXT, (2048, 4096), (6, 8)),
+    (65536, (1024, 2048), (4, 6)), (65537, (2048, 4096), (6, 8)), (F.MAX_CONTEXT, (2048, 4096), (6, 8)),
 ])
 def test_seed_bands(context, window, gamma):
-    seed = T.seed_preset(context, 30.0, "latency")
+    seed = S.seed_preset(context, 30.0, "latency")
     assert seed.window_range == window and (seed.gamma_lo, seed.gamma_hi) == gamma
     assert seed.window == min(window[0], context) and seed.source == "seed"
 
 
 def test_seed_goals_and_the_cross_datacenter_rule():
-    memory = T.seed_preset(4096, 30, "memory")
+    memory = S.seed_preset(4096, 30, "memory")
     assert (memory.kv_tier, memory.coded) == ("fp8", True) and "6–8×" in memory.why["kv_tier"]
-    fast = T.seed_preset(4096, 30, "latency")
+    fast = S.seed_preset(4096, 30, "latency")
     assert (fast.kv_tier, fast.coded) == ("native", False)
-    slow = T.seed_preset(4096, 2, "latency")
+    slow = S.seed_preset(4096, 2, "latency")
     assert (slow.kv_tier, slow.coded) == ("native", True)
     assert slow.figures["required_ratio"] == pytest.approx(50.0) and "100/2 = 50×" in slow.why["coded"]
 
 
 @pytest.mark.parametrize("context,link,goal,needle", [
     (0, 1, "memory", "context must be from 1 to 4194304 tokens, got 0"),
-    (T.MAX_CONTEXT + 1, 1, "memory", "context must be from 1 to 4194304 tokens"),
+    (F.MAX_CONTEXT + 1, 1, "memory", "context must be from 1 to 4194304 tokens"),
     (1.5, 1, "memory", "context must be a whole number of tokens, got 1.5"),
     (True, 1, "memory", "context must be a whole number"),
     (1024, 0, "memory", "link bandwidth must be > 0 and ≤ 10000 Gbit/s, got 0"),
@@ -119,7 +123,7 @@ def test_seed_goals_and_the_cross_datacenter_rule():
     (1024, 1, "speed", "unknown goal 'speed'; use one of latency, memory"),
 ])
 def test_bad_inputs_are_one_precise_line(context, link, goal, needle):
-    for fn in (T.seed_preset, lambda *a: T.recommend(synthetic(), *a)):
+    for fn in (S.seed_preset, lambda *a: T.recommend(synthetic(), *a)):
         with pytest.raises(ValueError) as e:
             fn(context, link, goal)
         assert needle in str(e.value) and "\n" not in str(e.value)
@@ -128,8 +132,8 @@ def test_bad_inputs_are_one_precise_line(context, link, goal, needle):
 # -- recommend -----------------------------------------------------------------------------------
 def _admissible_bits(m: dict, target_tier: str) -> list[tuple[float, str, bool]]:
     acc = {r["kv_tier"]: r["acceptance"] for r in m["acceptance"] if r["target_tier"] == target_tier}
-    return sorted((m["tiers"][t]["bits_coded" if coded else "bits"], t, coded) for t in T.KV_TIERS for coded in (True, False)
-                  if t == "native" or acc[t] >= acc["native"] - T.ACCEPTANCE_SLACK)
+    return sorted((m["tiers"][t]["bits_coded" if coded else "bits"], t, coded) for t in KV_TIERS for coded in (True, False)
+                  if t == "native" or acc[t] >= acc["native"] - F.ACCEPTANCE_SLACK)
 
 
 def test_memory_picks_the_fewest_bits_within_the_acceptance_limit():
@@ -162,8 +166,8 @@ def test_latency_coding_flips_off_above_the_break_even():
     m = synthetic()
     ours = T.recommend(m, 8192, 1.0, "latency", "bf16")
     assert ours.kv_tier == "native"  # 20.1 tok/s (ar) beats fp8's 19.0 and int8's 18.5
-    cost, _ = T.tier_cost(m, "native", window=ours.window)
-    breakeven = T.modelled_breakeven(cost, 8192, ours.window)
+    cost, _ = F.tier_cost(m, "native", window=ours.window)
+    breakeven = F.modelled_breakeven(cost, 8192, ours.window)
     assert 1 < breakeven < 30
     below = T.recommend(m, 8192, breakeven * 0.8, "latency", "bf16")
     above = T.recommend(m, 8192, breakeven * 1.25, "latency", "bf16")
@@ -175,14 +179,14 @@ def test_latency_coding_flips_off_above_the_break_even():
     assert not T.recommend(m, 8192, 100.0, "latency", "bf16").coded
 
 
-@pytest.mark.parametrize("goal", T.GOALS)
+@pytest.mark.parametrize("goal", F.GOALS)
 @pytest.mark.parametrize("link", [0.1, 1.0, 30.0])
 @pytest.mark.parametrize("context", [1, 100, 256, 300, 1000, 5000, 100_000])
 def test_window_never_exceeds_the_context_and_minimises_the_coded_restore(context, link, goal):
     m = synthetic()
     ours = T.recommend(m, context, link, goal, "bf16")
     assert 1 <= ours.window <= context
-    assert ours.window in T.measured_windows(m) or ours.window == context
+    assert ours.window in F.measured_windows(m) or ours.window == context
     rows = ours.figures["restore_by_window"]
     assert all(r["window"] <= context for r in rows)
     if ours.coded:
@@ -201,42 +205,42 @@ def test_gamma_range_is_every_gamma_within_three_percent_of_the_best():
 
 def test_predictor_and_window_scale_the_restore_model():
     m = synthetic()
-    base, _ = T.tier_cost(m, "fp8")
-    other, _ = T.tier_cost(m, "fp8", "int8")  # 1.7 vs 1.4 bits, 30 vs 24 MB/s
+    base, _ = F.tier_cost(m, "fp8")
+    other, _ = F.tier_cost(m, "fp8", "int8")  # 1.7 vs 1.4 bits, 30 vs 24 MB/s
     assert other.coded_bytes == pytest.approx(base.coded_bytes * 1.7 / 1.4)
     assert other.decode_s == pytest.approx(base.decode_s * 24 / 30)
-    small, _ = T.tier_cost(m, "fp8", window=256)  # 1.6 bits, 20 MB/s at W 256
+    small, _ = F.tier_cost(m, "fp8", window=256)  # 1.6 bits, 20 MB/s at W 256
     assert small.coded_bytes == pytest.approx(base.coded_bytes * 1.6 / 1.4)
-    int8_small, _ = T.tier_cost(m, "int8", window=256)  # the sweep has no int8 bits: native's change
-    assert int8_small.coded_bytes == pytest.approx(T.tier_cost(m, "int8")[0].coded_bytes * 5.2 / 4.6)
-    assert T.pipelined_seconds([1, 1], [0.5, 0.5], [2, 2]) == pytest.approx(5.5)  # compute-bound: 1 + 2, then 0.5 + 2
-    assert T.pipelined_seconds([3, 3], [0.5, 0.5], [1, 1]) == pytest.approx(7.0)  # link-bound: 6 + the last decode
+    int8_small, _ = F.tier_cost(m, "int8", window=256)  # the sweep has no int8 bits: native's change
+    assert int8_small.coded_bytes == pytest.approx(F.tier_cost(m, "int8")[0].coded_bytes * 5.2 / 4.6)
+    assert pipelined_seconds([1, 1], [0.5, 0.5], [2, 2]) == pytest.approx(5.5)  # compute-bound: 1 + 2, then 0.5 + 2
+    assert pipelined_seconds([3, 3], [0.5, 0.5], [1, 1]) == pytest.approx(7.0)  # link-bound: 6 + the last decode
 
 
 @pytest.mark.parametrize("drop", ["tiers", "restore", "by_window", "by_context", "acceptance", "predictors",
                                   "best_predictor", "window", "ALL"])
 def test_missing_keys_are_said_not_crashed_on(drop):
     m = {} if drop == "ALL" else {k: v for k, v in synthetic().items() if k != drop}
-    for goal in T.GOALS:
+    for goal in F.GOALS:
         for context, link in [(64, 0.1), (9000, 3.0), (200_000, 50.0)]:
             ours = T.recommend(m, context, link, goal, "bf16")
             assert ours.source == "measured" and 1 <= ours.window <= context
             assert set(ours.why) == {"kv_tier", "coded", "window", "gamma"}
             json.dumps(ours.as_dict(), allow_nan=False)
-            T.contradictions(ours, T.seed_preset(context, link, goal))
+            S.contradictions(ours, S.seed_preset(context, link, goal))
     if drop in ("acceptance", "ALL"):
         assert any("no acceptance measured" in n for n in ours.notes)
     if drop in ("tiers", "restore", "by_window", "by_context", "acceptance", "predictors"):
-        assert drop in T.missing(m)
-    for rows in (T.bits_rows(m), T.window_rows(m, "fp8", 100, 1.0), T.context_rows(m), T.acceptance_rows(m),
-                 T.restore_rows(m, "native", None, 512, 4096)):
+        assert drop in F.missing(m)
+    for rows in (F.bits_rows(m), F.window_rows(m, "fp8", 100, 1.0), F.context_rows(m), F.acceptance_rows(m),
+                 F.restore_rows(m, "native", None, 512, 4096)):
         assert isinstance(rows, list)
 
 
 # -- contradictions ------------------------------------------------------------------------------
 def test_speculation_that_does_not_pay_contradicts_the_seed_gamma():
     ours = T.recommend(synthetic(), 4096, 30, "latency", "bf16")
-    text = T.contradictions(ours, T.seed_preset(4096, 30, "latency"))
+    text = S.contradictions(ours, S.seed_preset(4096, 30, "latency"))
     assert "seed: γ 2–4 for < 8K; measured: speculation does not pay at bf16/native (best γ 0, fixed:2 0.91× ar)" in text
 
 
@@ -245,7 +249,7 @@ def test_a_break_even_below_a_slow_link_contradicts_cross_datacenter_coding():
     m["tiers"]["native"]["breakeven_gbit_s"] = 0.06
     ours = T.recommend(m, 4096, 1.0, "latency", "bf16")
     assert not ours.coded
-    text = T.contradictions(ours, T.seed_preset(4096, 1.0, "latency"))
+    text = S.contradictions(ours, S.seed_preset(4096, 1.0, "latency"))
     assert any(c.startswith("seed: coding for cross-datacenter links; measured break-even 0.06 Gbit/s, below this "
                             "1 Gbit/s link: raw transfer restores faster") for c in text), text
 
@@ -255,26 +259,26 @@ def test_a_measured_window_outside_the_seed_range_contradicts_it():
     m["by_window"][0]["native_bits"] = 2.0  # W 256 codes far better: on a slow link it restores fastest
     ours = T.recommend(m, 2048, 0.1, "latency", "bf16")
     assert ours.coded and ours.window == 256
-    text = T.contradictions(ours, T.seed_preset(2048, 0.1, "latency"))
+    text = S.contradictions(ours, S.seed_preset(2048, 0.1, "latency"))
     assert any(c.startswith("seed: W 512–1024 for < 8K; measured best W 256 at 0.1 Gbit/s") for c in text), text
 
 
 def test_coding_on_a_fast_link_and_the_memory_ratio_contradict_the_seed():
     m = synthetic(mu=1e-7, dec=1e-7)  # a predictor and decoder fast enough to pay on a fast link
-    ours, seed = T.recommend(m, 8192, 25.0, "latency", "bf16"), T.seed_preset(8192, 25.0, "latency")
+    ours, seed = T.recommend(m, 8192, 25.0, "latency", "bf16"), S.seed_preset(8192, 25.0, "latency")
     assert ours.coded and not seed.coded
     assert any(c.startswith("seed: no coding for latency on a fast link; measured: coded restore is faster")
-               for c in T.contradictions(ours, seed))
+               for c in S.contradictions(ours, seed))
     memory = T.recommend(m, 8192, 5.0, "memory", "bf16")
     assert "seed: FP8 + coding 6–8× under FP16; measured fp8+coding 11.4× (1.4 vs 16 bits/scalar)" in \
-        T.contradictions(memory, T.seed_preset(8192, 5.0, "memory"))
-    assert T.contradictions(T.seed_preset(8192, 5.0, "memory"), T.seed_preset(8192, 5.0, "memory")) == []
+        S.contradictions(memory, S.seed_preset(8192, 5.0, "memory"))
+    assert S.contradictions(S.seed_preset(8192, 5.0, "memory"), S.seed_preset(8192, 5.0, "memory")) == []
 
 
 def test_comparison_rows():
     m = synthetic()
     ours = T.recommend(m, 8192, 1.0, "latency", "bf16")
-    rows = T.comparison_rows(ours, T.seed_preset(8192, 1.0, "latency"))
+    rows = S.comparison_rows(ours, S.seed_preset(8192, 1.0, "latency"))
     assert [r["choice"] for r in rows] == ["KV tier", "coding", "W", "γ"]
     assert rows[2]["seed"] == "1024–2048" and rows[3]["measured"] == "0" and rows[3]["seed"] == "4–6"
     assert all(r["why"] for r in rows)
@@ -438,8 +442,8 @@ def test_page_shows_the_measurement_and_the_recommendation(page_env):
     assert not at.info and not at.button
     assert len(at.get("plotly_chart")) == 3  # restore vs raw, vs W, vs context
     bits, acceptance, table = (df.value for df in at.dataframe)
-    assert list(bits["KV tier"]) == list(T.KV_TIERS) and bits["coded ×"].iloc[1] == pytest.approx(16 / 1.4)
-    assert len(acceptance) == 6 and set(acceptance["kv_tier"]) == set(T.KV_TIERS)
+    assert list(bits["KV tier"]) == list(KV_TIERS) and bits["coded ×"].iloc[1] == pytest.approx(16 / 1.4)
+    assert len(acceptance) == 6 and set(acceptance["kv_tier"]) == set(KV_TIERS)
     assert list(table.columns) == ["choice", "measured", "seed", "why"]
     assert list(table["choice"]) == ["KV tier", "coding", "W", "γ"]
     assert "speculation does not pay" in " ".join(md.value for md in at.markdown)

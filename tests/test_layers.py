@@ -1,8 +1,14 @@
-"""The layering rules of docs/architecture.md, checked on the source: every module imports, data
-flows down (no import cycle, counting imports inside functions), engine/ never imports
-streamlit, store/ never imports torch, and only engine/__main__.py imports engine/cli.py."""
+"""The layering of docs/architecture.md, checked on the source of the whole tree (engine/, store/,
+views/, bench/, app.py): every module imports; data flows down the folders' order (LAYERS), with no
+import cycle (counting imports inside functions); nothing imports by name at run time
+(`import_module`, `__import__`) except the CLI's dispatch to bench/; engine/ never imports
+streamlit, store/ never torch; only engine/__main__.py imports the CLI; no `pages/` folder.
+
+The checks are functions of a source tree, so the tests below also plant each kind of breach in a
+copy and see it refused."""
 import ast
 import importlib
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -11,22 +17,38 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = ("engine", "store", "views", "bench")
+# Bottom to top: a module may import its own layer and the layers below it, never one above.
+LAYERS = (
+    ("store",),
+    ("engine.base",),
+    ("engine.datasets",),
+    ("engine.decode",),
+    ("engine.runtime",),
+    ("engine.oracles",),
+    ("engine.lab",),
+    ("engine.training",),
+    ("engine.service",),
+    ("views", "bench"),  # front ends, side by side: neither imports the other
+    ("app",),  # the workbench's entry: lists the pages of views/
+    ("engine.cli",),  # dispatches to bench/ by name
+    ("engine.__main__",),
+)
+FRONT = LAYERS.index(("views", "bench"))
+# (module, name imported at run time) pairs that may do so: the CLI's `bench NAME` dispatch.
+DYNAMIC_IMPORTS_ALLOWED = {("engine.cli.main", "bench")}
 
 
-def _modules() -> dict[str, Path]:
-    out = {}
+def modules(root: Path) -> dict[str, Path]:
+    out = {"app": root / "app.py"} if (root / "app.py").exists() else {}
     for pkg in PACKAGES:
-        for path in sorted((ROOT / pkg).rglob("*.py")):
-            parts = path.relative_to(ROOT).with_suffix("").parts
+        for path in sorted((root / pkg).rglob("*.py")):
+            parts = path.relative_to(root).with_suffix("").parts
             out[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
     return out
 
 
-MODULES = _modules()
-
-
-def _imports(name: str, path: Path) -> set[str]:
-    """Every module `name` imports, at the top or inside a function, resolved to our modules."""
+def imports(name: str, path: Path, known: dict[str, Path]) -> set[str]:
+    """Every module of ours `name` imports, at the top or inside a function."""
     found = set()
     package = name if path.name == "__init__.py" else name.rpartition(".")[0]
     for node in ast.walk(ast.parse(path.read_text())):
@@ -40,21 +62,86 @@ def _imports(name: str, path: Path) -> set[str]:
         else:
             continue
         for t in targets:
-            while t and t not in MODULES and t.split(".")[0] in PACKAGES + ("torch", "streamlit"):
+            while t and t not in known and t.split(".")[0] in PACKAGES + ("torch", "streamlit"):
                 t = t.rpartition(".")[0]
-            if t:
+            if t in known:
                 found.add(t)
     return found - {name}
 
 
-GRAPH = {name: _imports(name, path) for name, path in MODULES.items()}
+def graph(root: Path) -> dict[str, set[str]]:
+    known = modules(root)
+    return {name: imports(name, path, known) for name, path in known.items()}
 
 
-def _external(name: str) -> set[str]:
-    """Third-party top-level packages `name` imports anywhere in its file."""
-    tree = ast.parse(MODULES[name].read_text())
+def layer(name: str) -> int:
+    for i, names in enumerate(LAYERS):
+        if any(name == n or name.startswith(n + ".") for n in names):
+            return i
+    raise AssertionError(f"{name} is in no layer: add its folder to LAYERS")
+
+
+def cycle(g: dict[str, set[str]]) -> list[str] | None:
+    """An import cycle as a path, or None. A package importing its own submodules is not a
+    cycle of data flow, so edges into a module's own ancestors are dropped."""
+    def edges(m):
+        return sorted(t for t in g[m] if t in g and not m.startswith(t + "."))
+
+    state: dict[str, int] = {}
+    stack: list[str] = []
+
+    def visit(m: str) -> list[str] | None:
+        state[m] = 1
+        stack.append(m)
+        for t in edges(m):
+            if state.get(t) == 1:
+                return stack[stack.index(t):] + [t]
+            if t not in state and (found := visit(t)):
+                return found
+        stack.pop()
+        state[m] = 2
+        return None
+
+    for m in sorted(g):
+        if m not in state and (found := visit(m)):
+            return found
+    return None
+
+
+def upward(g: dict[str, set[str]]) -> list[str]:
+    """Imports of a higher layer, or of another front end."""
+    bad = []
+    for m, deps in sorted(g.items()):
+        for t in sorted(deps):
+            front = layer(m) == layer(t) == FRONT and m.split(".")[0] != t.split(".")[0]
+            if layer(t) > layer(m) or front:
+                bad.append(f"{m} → {t}")
+    return bad
+
+
+def dynamic_imports(root: Path) -> list[str]:
+    """Calls of importlib.import_module or __import__, outside the allowed dispatch."""
+    bad = []
+    for name, path in modules(root).items():
+        for node in ast.walk(ast.parse(path.read_text())):
+            if not isinstance(node, ast.Call):
+                continue
+            f = node.func
+            called = f.attr if isinstance(f, ast.Attribute) else f.id if isinstance(f, ast.Name) else ""
+            if called not in ("import_module", "__import__"):
+                continue
+            arg = node.args[0] if node.args else None
+            text = ast.unparse(arg) if arg is not None else ""
+            top = text.strip("f'\"").split(".")[0].split("{")[0]
+            if (name, top) not in DYNAMIC_IMPORTS_ALLOWED:
+                bad.append(f"{name}:{node.lineno} {called}({text})")
+    return bad
+
+
+def external(path: Path) -> set[str]:
+    """Third-party top-level packages a file imports anywhere."""
     out = set()
-    for node in ast.walk(tree):
+    for node in ast.walk(ast.parse(path.read_text())):
         if isinstance(node, ast.Import):
             out |= {a.name.split(".")[0] for a in node.names}
         elif isinstance(node, ast.ImportFrom) and not node.level and node.module:
@@ -62,35 +149,25 @@ def _external(name: str) -> set[str]:
     return out
 
 
+GRAPH = graph(ROOT)
+
+
+# -- the tree as it is -------------------------------------------------------------------------------
 def test_no_import_cycle():
-    # A package imports its own submodules; a submodule importing its package's siblings
-    # through the package is not a cycle of data flow. Edges into a module's own ancestors
-    # are dropped for that reason; every other edge counts.
-    def edges(m):
-        return {t for t in GRAPH[m] if t in GRAPH and not m.startswith(t + ".")}
+    assert cycle(GRAPH) is None, " → ".join(cycle(GRAPH))
 
-    state: dict[str, int] = {}
-    stack: list[str] = []
 
-    def visit(m: str) -> None:
-        state[m] = 1
-        stack.append(m)
-        for t in edges(m):
-            if state.get(t) == 1:
-                raise AssertionError("import cycle: " + " → ".join(stack[stack.index(t):] + [t]))
-            if t not in state:
-                visit(t)
-        stack.pop()
-        state[m] = 2
+def test_every_module_is_in_a_layer_and_imports_only_downward():
+    assert upward(GRAPH) == []
 
-    for m in sorted(GRAPH):
-        if m not in state:
-            visit(m)
+
+def test_no_import_by_name_outside_the_cli_dispatch():
+    assert dynamic_imports(ROOT) == []
 
 
 def test_engine_never_imports_streamlit_and_store_never_torch():
-    for name in MODULES:
-        ext = _external(name)
+    for name, path in modules(ROOT).items():
+        ext = external(path)
         if name.startswith("engine"):
             assert "streamlit" not in ext, name
         if name.startswith("store"):
@@ -98,8 +175,23 @@ def test_engine_never_imports_streamlit_and_store_never_torch():
 
 
 def test_only_main_imports_the_cli():
-    users = sorted(m for m, deps in GRAPH.items() if "engine.cli.main" in deps)
+    users = sorted(m for m, deps in GRAPH.items() if any(d == "engine.cli" or d.startswith("engine.cli.") for d in deps)
+                   and not m.startswith("engine.cli"))
     assert users == ["engine.__main__"], users
+
+
+def test_every_folder_says_what_lives_there_and_what_it_may_import():
+    for init in sorted((ROOT / "engine").rglob("__init__.py")):
+        doc = ast.get_docstring(ast.parse(init.read_text())) or ""
+        if init.parent == ROOT / "engine":
+            continue
+        assert doc and "import" in doc, f"{init.relative_to(ROOT)} needs a docstring naming what it may import"
+
+
+def test_no_pages_folder():
+    """Streamlit 1.67 runs a server's first script run in its old directory mode whenever a `pages/`
+    folder sits beside the entry script (every file listed as a page): the pages live in views/."""
+    assert not (ROOT / "pages").exists(), "rename pages/ (Streamlit's directory mode): the pages live in views/"
 
 
 def test_the_service_layer_and_replay_load_without_torch():
@@ -109,6 +201,42 @@ def test_the_service_layer_and_replay_load_without_torch():
     subprocess.run([sys.executable, "-c", code], cwd=ROOT, check=True)
 
 
-@pytest.mark.parametrize("name", sorted(m for m in MODULES if not m.startswith("views") and m != "engine.__main__"))
+@pytest.mark.parametrize("name", sorted(m for m in modules(ROOT) if not m.startswith("views")
+                                        and m not in ("engine.__main__", "app")))
 def test_every_module_imports(name):
     importlib.import_module(name)
+
+
+# -- the checks refuse what they are for ----------------------------------------------------------------
+@pytest.fixture
+def tree(tmp_path) -> Path:
+    """A copy of the source tree to plant breaches in."""
+    for pkg in PACKAGES:
+        shutil.copytree(ROOT / pkg, tmp_path / pkg, ignore=shutil.ignore_patterns("__pycache__", "data"))
+    shutil.copy(ROOT / "app.py", tmp_path / "app.py")
+    return tmp_path
+
+
+def _append(path: Path, line: str) -> None:
+    path.write_text(path.read_text() + "\n" + line + "\n")
+
+
+def test_a_planted_cycle_is_found(tree):
+    _append(tree / "engine" / "decode" / "records.py", "def _planted():\n    from engine.decode import step  # noqa")
+    found = cycle(graph(tree))
+    assert found and "engine.decode.records" in found and "engine.decode.step" in found
+
+
+def test_a_planted_upward_import_is_found(tree):
+    _append(tree / "engine" / "runtime" / "forward.py", "def _planted():\n    from engine.lab import generation  # noqa")
+    found = upward(graph(tree))
+    assert "engine.runtime.forward → engine.lab.generation" in found and all(b.startswith("engine.runtime.forward") for b in found)
+    _append(tree / "bench" / "decode.py", "from views import common  # noqa")
+    assert "bench.decode → views.common" in upward(graph(tree))
+
+
+def test_a_planted_import_module_of_bench_is_found(tree):
+    _append(tree / "engine" / "service" / "kv_actions.py",
+            "def _planted():\n    import importlib\n    return importlib.import_module('bench.kv')")
+    _append(tree / "views" / "kv.py", "def _also():\n    return __import__('bench.kv')")
+    assert sorted(b.split(":")[0] for b in dynamic_imports(tree)) == ["engine.service.kv_actions", "views.kv"]

@@ -17,7 +17,8 @@ from engine.service import (
     latest_kv_measurement,
     measure_kv,
 )
-from engine.service.kv_tuner import GOALS, measured_windows, target_name
+from engine.service.kv_figures import GOALS, measured_windows
+from engine.service.kv_tuner import target_name
 from views.common import settings, show_error
 
 LINKS = [0.1, 0.2, 0.3, 0.5, 1, 2, 3, 5, 10, 20, 30, 50, 100]  # the log slider's stops, Gbit/s

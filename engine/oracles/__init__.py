@@ -1,9 +1,12 @@
-"""The two oracles the step loop (engine/step.py) walks: proposers and verifiers backed by live
-models (model.py, eagle.py, ngram.py) or by stored acceptance traces (trace.py).
+"""The two oracles the step loop (decode/step.py) walks: proposers and verifiers backed by live
+models (model.py, eagle.py, ngram.py) or by stored acceptance traces (trace.py); the verification
+math apart from every proposer (sampling.py: greedy acceptance, rejection sampling).
 
 `PROPOSERS` builds a run's proposers by name (docs/architecture.md, "Oracles"); each factory
 imports its class only when called, so that this package (which trace.py and replay import)
-stays free of torch."""
+stays free of torch.
+
+May import: engine.base, engine.decode, engine.runtime."""
 from __future__ import annotations
 
 from typing import Callable

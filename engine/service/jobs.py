@@ -21,8 +21,6 @@ from engine.lab.slots import decode_slot
 from engine.service import profile, tier_label, trace_prompts
 from store import Store
 
-STATES = ("running", "stopped", "finished", "failed")
-
 
 @dataclass(frozen=True)
 class SweepSpec:

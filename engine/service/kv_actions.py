@@ -38,9 +38,10 @@ def tune_kv(db: str, target: str | None, target_tier: str | None, context: int, 
     """`tune`: our KV recommendation from the newest stored measurement beside the seed preset and
     the contradictions, as one JSON-ready dict (ours, seed, contradictions, table, notes,
     measurement). Inputs are checked before the file is opened."""
+    from engine.service import kv_seed
     from engine.service import kv_tuner as tuner
 
-    tuner.check_inputs(context, link_gbit_s, goal)
+    kv_seed.check_inputs(context, link_gbit_s, goal)
     if target_tier is not None:
         parse_tiers(target_tier)
     if file_missing(db):
@@ -49,7 +50,7 @@ def tune_kv(db: str, target: str | None, target_tier: str | None, context: int, 
         ours, seed, contra = tuner.tune(st, target, target_tier, context, link_gbit_s, goal)
     f = ours.figures
     return dict(ours=ours.as_dict(), seed=seed.as_dict(), contradictions=contra,
-                table=tuner.comparison_rows(ours, seed), notes=list(ours.notes),
+                table=kv_seed.comparison_rows(ours, seed), notes=list(ours.notes),
                 measurement=dict(measurement_id=f.get("measurement_id"), created_at=f.get("created_at"),
                                  device=f.get("device"), target=tuner.target_name(target),
                                  target_tier=f.get("measured_target_tier"), acceptance_tier=f.get("target_tier")))
@@ -79,9 +80,10 @@ def kv_view(row: dict, kv_tier: str, coded: bool, predictor: str | None, window:
     speeds, the restore curve of the chosen tier (measured and modelled at this context and W), the
     W and context sweeps, acceptance, the chosen setting's modelled restore, the recommendation
     beside the seed and the contradictions. ValueError for bad inputs, in one line."""
+    from engine.service import kv_figures, kv_seed
     from engine.service import kv_tuner as tuner
 
-    tuner.check_inputs(context, link_gbit_s, goal)
+    kv_seed.check_inputs(context, link_gbit_s, goal)
     if kv_tier not in KV_TIERS:
         raise ValueError(f"unknown KV tier {kv_tier!r}; known: {', '.join(KV_TIERS)}")
     if isinstance(window, bool) or not isinstance(window, int) or window < 1:
@@ -91,18 +93,18 @@ def kv_view(row: dict, kv_tier: str, coded: bool, predictor: str | None, window:
         notes.append(f"W {window} exceeds the context ({context} tokens): one window of {context}")
     w = min(window, context)
     ours, seed, contra = tuner.tune_row(row, context, link_gbit_s, goal, target_tier)
-    cost, cost_notes = tuner.tier_cost(m, kv_tier, predictor, window)
-    restore = {k: tuner.restore_seconds(cost, context, w, link_gbit_s, k) for k in (True, False)}
+    cost, cost_notes = kv_figures.tier_cost(m, kv_tier, predictor, window)
+    restore = {k: kv_figures.restore_seconds(cost, context, w, link_gbit_s, k) for k in (True, False)}
     return dict(
-        bits=tuner.bits_rows(m, predictor), speeds=tuner.speeds(m, predictor),
-        restore=tuner.restore_rows(m, kv_tier, predictor, w, context),
-        breakeven=dict(measured=tuner.measured_breakeven(m, kv_tier), modelled=tuner.modelled_breakeven(cost, context, w)),
-        by_window=tuner.window_rows(m, kv_tier, context, link_gbit_s), by_context=tuner.context_rows(m),
-        acceptance=tuner.acceptance_rows(m),
-        chosen=dict(kv_tier=kv_tier, coded=coded, window=w, bits=tuner.bits(m, kv_tier, coded, predictor),
+        bits=kv_figures.bits_rows(m, predictor), speeds=kv_figures.speeds(m, predictor),
+        restore=kv_figures.restore_rows(m, kv_tier, predictor, w, context),
+        breakeven=dict(measured=kv_figures.measured_breakeven(m, kv_tier), modelled=kv_figures.modelled_breakeven(cost, context, w)),
+        by_window=kv_figures.window_rows(m, kv_tier, context, link_gbit_s), by_context=kv_figures.context_rows(m),
+        acceptance=kv_figures.acceptance_rows(m),
+        chosen=dict(kv_tier=kv_tier, coded=coded, window=w, bits=kv_figures.bits(m, kv_tier, coded, predictor),
                     restore_s=restore[coded], other_s=restore[not coded]),
-        ours=ours.as_dict(), seed=seed.as_dict(), table=tuner.comparison_rows(ours, seed), contradictions=contra,
-        missing=tuner.missing(m), notes=notes + cost_notes + list(ours.notes),
+        ours=ours.as_dict(), seed=seed.as_dict(), table=kv_seed.comparison_rows(ours, seed), contradictions=contra,
+        missing=kv_figures.missing(m), notes=notes + cost_notes + list(ours.notes),
     )
 
 

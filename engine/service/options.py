@@ -38,10 +38,5 @@ KV_TIERS_ARG = ("--kv-tiers", dict(default="native", help="comma-separated KV ti
                                    "native, fp8, int8"))
 
 
-def add_kv_tier_arg(p: argparse.ArgumentParser) -> None:
-    """--kv-tier, for the benchmarks."""
-    p.add_argument(KV_TIER_ARG[0], **KV_TIER_ARG[1])
-
-
 def add_db_arg(p: argparse.ArgumentParser, help: str = "DuckDB file") -> None:
     p.add_argument("--db", default=default_db(), help=f"{help} (default: $SPECLAB_DB, else speclab.duckdb)")

@@ -4,7 +4,9 @@
 `fixed:3@ngram:max=3,min=2`, `rakv@draft+ngram` (without `@`: `rakv` and `speckv` choose among
 every proposer the pair has, the others draft with the draft model). The learned and cost-aware
 ones need a `PolicyContext` (a cost table, stored controllers); the CLI, the app and the
-benchmarks build it from the store."""
+benchmarks build it from the store.
+
+May import: engine.base, engine.decode (records, costs, acceptance)."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field

@@ -1,2 +1,4 @@
-"""KV caches and tiers, the KV codec, offload and the tuner (docs/architecture.md, "KV tiers",
-"KV coding", "KV offload"). Import the submodules: some need torch, the tuner and pipeline do not."""
+"""KV caches and tiers, the KV codec, offload and its modelled pipeline (docs/architecture.md, "KV tiers",
+"KV coding", "KV offload"). Import the submodules: some need torch, pipeline.py does not (the tuner reads it).
+
+May import: engine.base, engine.datasets, engine.runtime."""
