@@ -203,7 +203,8 @@ def hf_assistant(pair: ModelPair) -> torch.nn.Module:
 
 
 def hf_runner(pair: ModelPair, setting: str, assistant: torch.nn.Module | None) -> Callable:
-    from engine.service.export import TunedConfig, hf_bind, hf_generate_kwargs
+    from engine.service.export import hf_bind, hf_generate_kwargs
+    from engine.service.tuned_config import TunedConfig
 
     kind, _, arg = setting.partition(":")
 

@@ -12,14 +12,9 @@ import pytest
 
 from engine.decode.policies import POLICY_EXAMPLES
 from engine.service import export as ex
-from engine.service.export import (
-    TunedConfig,
-    hf_bind,
-    hf_generate_kwargs,
-    load_config,
-    to_json,
-    to_yaml,
-)
+from engine.service import tuned_config as tc
+from engine.service.export import hf_bind, hf_generate_kwargs
+from engine.service.tuned_config import TunedConfig, load_config, to_json, to_yaml
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -249,7 +244,7 @@ def test_store_versions_per_name():
 def load_config_text(text: str) -> TunedConfig:
     import yaml
 
-    return ex.from_dict(yaml.safe_load(text))
+    return tc.from_dict(yaml.safe_load(text))
 
 
 def test_export_cli_stores_versions_and_writes_files(tmp_path):
@@ -269,7 +264,7 @@ def test_export_cli_stores_versions_and_writes_files(tmp_path):
         mine, other = st.exports("mine"), st.exports("other")
     assert list(mine["version"]) == [1, 2] and list(mine["format"]) == ["yaml", "vllm"]
     assert json.loads(mine["content"].iloc[1])["num_speculative_tokens"] == 3
-    got = ex.from_dict(json.loads(other["content"].iloc[0]))
+    got = tc.from_dict(json.loads(other["content"].iloc[0]))
     assert (got.policy, got.gamma_min, got.gamma_max, got.kv_tier) == ("fixed:5", 5, 5, "int8")
 
 

@@ -9,15 +9,8 @@ import streamlit as st
 
 from engine.base.names import KV_TIERS, WEIGHT_TIERS
 from engine.service import latest_live_run, save_export, stored_exports
-from engine.service.export import (
-    TunedConfig,
-    default_name,
-    export_bundle,
-    from_run,
-    to_json,
-    to_yaml,
-    vllm_fields,
-)
+from engine.service.export import export_bundle, vllm_fields
+from engine.service.tuned_config import TunedConfig, default_name, from_run, to_json, to_yaml
 from views.common import settings, show_error
 
 PREFILL_KEY = "export_prefill"

@@ -171,7 +171,8 @@ def latest_live_run(db: str) -> dict | None:
 def save_export(db: str, cfg, fmt: str, name: str | None = None) -> tuple[str, int, str]:
     """Renders a TunedConfig in `fmt` and stores it as the next version of `name` (default: the
     target and the policy): (name, version, text). The text is made before the file is opened."""
-    from engine.service.export import default_name, render
+    from engine.service.export import render
+    from engine.service.tuned_config import default_name
 
     text = render(cfg, fmt)
     name = (name or "").strip() or default_name(cfg)

@@ -1,23 +1,20 @@
-"""Export a tuned configuration: as SpecLab JSON/YAML (what `generate --config FILE` reads back),
-as Hugging Face assisted-generation keyword arguments, and as a vLLM `speculative_config`.
+"""A tuned configuration (`TunedConfig`): the settings a user leaves the workbench with, checked
+field by field; its SpecLab JSON/YAML file (what `generate --config FILE` reads back); a config
+from a stored run; and the precedence of a config file and command-line flags (`with_flags`).
 
-Torch-free at import (the workbench page and `python -m engine export` load no model). The vLLM
-field names are the ones of `SpeculativeConfig` at a pinned release, extracted once into
-engine/data/vllm_speculative_config_fields.json; the export uses no other name."""
+Torch-free at import (the workbench page and `python -m engine export` load no model)."""
 from __future__ import annotations
 
 import dataclasses
 import json
 import math
 from dataclasses import dataclass
-from functools import cache
 from pathlib import Path
 from typing import Any, Mapping
 
 import yaml
 
-from engine.base.names import DATA_DIR, EMBEDDED, KV_TIERS, WEIGHT_TIERS
-from engine.base.names import SHIPPED_DRAFT as SHIPPED_DRAFT_PATH
+from engine.base.names import EMBEDDED, KV_TIERS, WEIGHT_TIERS
 from engine.decode.policies import (
     DEFAULT_POLICY,
     NEEDS_CONTEXT,
@@ -26,20 +23,19 @@ from engine.decode.policies import (
 )
 from engine.decode.records import K_MAX
 
-# The embedded target's shipped SpecLab draft as exports name it: relative to the repository.
-SHIPPED_DRAFT = SHIPPED_DRAFT_PATH.relative_to(DATA_DIR.parents[1]).as_posix()
-FORMATS = ("json", "yaml", "hf", "vllm")
 FILE_FORMAT = "speclab-tuned-config/1"  # the "format" key of a SpecLab config file
-VLLM_FIELDS_FILE = DATA_DIR / "vllm_speculative_config_fields.json"
+
 
 # Learned policies → the stored controller they read (engine/policies: speckv-paper uses speckv's).
 CONTROLLERS = {"speckv": "speckv", "speckv-rf": "speckv-rf", "speckv-paper": "speckv"}
+
+
 # Policies that draft a fixed γ = their argument.
 FIXED = ("fixed", "joint")
+
+
 # Policies that never draft.
 PLAIN = ("ar", "reuse-only")
-# HF's own starting confidence threshold for dynamic speculation (GenerationConfig's default).
-HF_CONFIDENCE = 0.4
 
 
 @dataclass(frozen=True)
@@ -133,6 +129,8 @@ class _FieldError(ValueError):
 
 # -- validation ------------------------------------------------------------------------------------
 _FIELDS = {f.name: f for f in dataclasses.fields(TunedConfig)}
+
+
 # field → (accepted Python types, how an error names them, may be None)
 _TYPES: dict[str, tuple[tuple[type, ...], str, bool]] = {
     "target": ((str,), "a string", False), "draft": ((str,), "a string", True),
@@ -146,6 +144,8 @@ _TYPES: dict[str, tuple[tuple[type, ...], str, bool]] = {
     "top_p": ((int, float), "a number", False), "seed": ((int,), "an integer", True),
     "source": ((str,), "a string", False),
 }
+
+
 assert set(_TYPES) == set(_FIELDS), "every TunedConfig field needs a type rule"
 
 
@@ -276,149 +276,10 @@ def load_config(path: str | Path) -> TunedConfig:
     return from_dict(data, f"config {p}")
 
 
-# -- Hugging Face transformers --------------------------------------------------------------------
-# Keys `hf_bind` copies onto the assistant's generation_config: transformers' AssistedCandidate-
-# Generator reads them from there, not from the main call's kwargs (transformers 5.x,
-# generation/candidate_generator.py; tests/test_export.py shows a kwarg alone changes nothing).
-HF_ASSISTANT_KEYS = ("num_assistant_tokens", "num_assistant_tokens_schedule", "assistant_confidence_threshold")
-
-
-def draft_source(cfg: TunedConfig) -> str:
-    """The draft the loader would pick (engine.runtime.models._draft_source), as a path or id."""
-    if cfg.draft is not None:
-        return cfg.draft
-    return SHIPPED_DRAFT if cfg.target == EMBEDDED else cfg.target
-
-
-def hf_generate_kwargs(cfg: TunedConfig) -> dict[str, Any]:
-    """Keyword arguments for `target.generate(input_ids, **kwargs)`.
-
-    `assistant_model` holds the draft's path or id (JSON cannot hold a model): the caller loads
-    it and substitutes the model; `hf_bind` does that and also sets the assistant keys on the
-    assistant's generation_config, where transformers reads them. Policies that never draft
-    (`ar`, `reuse-only`) give plain decoding: no assistant. Mapping: fixed/joint:k → k tokens on
-    a constant schedule with the confidence stop off; heuristic:k0 → HF's own heuristic schedule
-    from k0, reset per call as SpecLab's is (`heuristic_transient`); threshold:c → up to γ_max
-    tokens, stopping under confidence c; rules, rakv and speckv* (cost-aware or learned, no HF
-    counterpart) → HF's dynamic speculation: up to γ_max tokens with its confidence stop."""
-    name, arg = parse_policy(cfg.policy)
-    out: dict[str, Any] = {"max_new_tokens": cfg.max_new_tokens}
-    if cfg.temperature > 0:
-        out.update(do_sample=True, temperature=cfg.temperature, top_p=cfg.top_p)
-    else:
-        out["do_sample"] = False
-    if name in PLAIN:
-        return out
-    out["assistant_model"] = draft_source(cfg)
-    if name in FIXED:
-        k = int(arg or 4)
-        out.update(num_assistant_tokens=k, num_assistant_tokens_schedule="constant", assistant_confidence_threshold=0.0)
-    elif name == "heuristic":
-        out.update(num_assistant_tokens=int(arg or 4), num_assistant_tokens_schedule="heuristic_transient",
-                   assistant_confidence_threshold=0.0)
-    elif name == "threshold":
-        out.update(num_assistant_tokens=cfg.gamma_max, num_assistant_tokens_schedule="constant",
-                   assistant_confidence_threshold=float(arg or 0.4))
-    else:
-        out.update(num_assistant_tokens=cfg.gamma_max, num_assistant_tokens_schedule="constant",
-                   assistant_confidence_threshold=HF_CONFIDENCE)
-    return out
-
-
-def hf_bind(kwargs: dict[str, Any], assistant_model: Any) -> dict[str, Any]:
-    """The kwargs for `generate` with the loaded draft in place of its path, and the assistant
-    keys set on `assistant_model.generation_config` (where transformers reads them)."""
-    out = dict(kwargs)
-    if "assistant_model" not in out:
-        return out
-    out["assistant_model"] = assistant_model
-    for key in HF_ASSISTANT_KEYS:
-        if key in out:
-            setattr(assistant_model.generation_config, key, out[key])
-    return out
-
-
-# -- vLLM -----------------------------------------------------------------------------------------
-@cache
-def vllm_fields() -> dict[str, Any]:
-    """The pinned vLLM release's SpeculativeConfig field names (release, source, fields, methods)."""
-    return json.loads(VLLM_FIELDS_FILE.read_text())
-
-
-def vllm_speculative_config(cfg: TunedConfig) -> dict[str, Any] | None:
-    """vLLM's `speculative_config` (`LLM(..., speculative_config=...)`, `--speculative-config`)
-    for the pinned release; None for policies that never draft. vLLM drafts a fixed number of
-    tokens per step: fixed/joint:k give k, every adaptive policy its γ cap (gamma_max)."""
-    name, arg = parse_policy(cfg.policy)
-    if name in PLAIN:
-        return None
-    k = int(arg or 4) if name in FIXED else cfg.gamma_max
-    out: dict[str, Any] = {"method": "draft_model", "model": draft_source(cfg), "num_speculative_tokens": k}
-    tier = cfg.draft_tier or (None if cfg.draft is not None or cfg.target == EMBEDDED else "nf4")
-    if tier in ("int8", "nf4"):  # bitsandbytes tiers; vLLM quantizes a draft the same way in flight
-        out["quantization"] = "bitsandbytes"
-    known = set(vllm_fields()["fields"]) - set(vllm_fields()["engine_set_fields"])
-    assert set(out) <= known and out["method"] in vllm_fields()["methods"], out
-    return out
-
-
-# -- the bundle ---------------------------------------------------------------------------------
-def notes(cfg: TunedConfig) -> list[str]:
-    """What the HF and vLLM forms cannot carry, one line each."""
-    name = cfg.policy_name
-    out = []
-    if name not in PLAIN + FIXED + ("heuristic", "threshold"):
-        out.append(f"{name} has no Hugging Face or vLLM counterpart: HF gets dynamic speculation capped at "
-                   f"γ = {cfg.gamma_max}, vLLM a fixed γ = {cfg.gamma_max}")
-    if name in ("heuristic", "threshold"):
-        out.append(f"vLLM drafts a fixed γ: {name} becomes γ = {cfg.gamma_max}")
-    if cfg.draft is None and cfg.target == EMBEDDED:
-        out.append(f"the embedded draft ({SHIPPED_DRAFT}) is a SpecLab draft sharing the target's embedding: "
-                   "load it with engine.runtime.models.load_pair; vLLM cannot load it as a checkpoint")
-    if cfg.kv_tier != "native":
-        out.append(f"KV tier {cfg.kv_tier}: in vLLM an engine argument (kv_cache_dtype), not part of "
-                   "speculative_config; HF has no equivalent here")
-    if cfg.kv_window is not None:
-        out.append(f"KV offload (W = {cfg.kv_window}{', coded' if cfg.kv_coded else ''}) is SpecLab's own")
-    if cfg.reuse:
-        out.append(f"prefix reuse ({cfg.prefix_budget_mib:g} MiB) is SpecLab's; vLLM has enable_prefix_caching")
-    if cfg.seed is not None:
-        out.append("HF takes no seed argument: call torch.manual_seed before generate")
-    return out
-
-
-def export_bundle(cfg: TunedConfig) -> dict[str, Any]:
-    """The three forms at once (and what does not carry over)."""
-    return {"speclab": cfg.to_dict(), "hf_generate_kwargs": hf_generate_kwargs(cfg),
-            "vllm_speculative_config": vllm_speculative_config(cfg), "vllm_release": vllm_fields()["release"],
-            "notes": notes(cfg)}
-
-
-def render(cfg: TunedConfig, fmt: str) -> str:
-    """The export's text in one format (json, yaml, hf, vllm)."""
-    if fmt == "json":
-        return to_json(cfg)
-    if fmt == "yaml":
-        return to_yaml(cfg)
-    if fmt == "hf":
-        return json.dumps(hf_generate_kwargs(cfg), indent=2) + "\n"
-    if fmt == "vllm":
-        spec = vllm_speculative_config(cfg)
-        if spec is None:
-            raise ValueError(f"policy {cfg.policy} never drafts: there is no vLLM speculative_config for it")
-        return json.dumps(spec, indent=2) + "\n"
-    raise ValueError(f"unknown export format {fmt!r}; known: {', '.join(FORMATS)}")
-
-
 def default_name(cfg: TunedConfig) -> str:
     """A stored export's name when none is given: the target and the policy."""
     target = cfg.target.rstrip("/").rsplit("/", 1)[-1] or EMBEDDED
     return f"{target}-{cfg.policy}"
-
-
-__all__ = ["TunedConfig", "FORMATS", "load_config", "from_dict", "to_json", "to_yaml", "hf_generate_kwargs",
-           "hf_bind", "vllm_speculative_config", "vllm_fields", "export_bundle", "render", "default_name",
-           "draft_source", "notes", "from_run"]
 
 
 def from_run(run: Mapping[str, Any], target: str | None, draft: str | None) -> TunedConfig:
@@ -466,3 +327,23 @@ def _plain(value: Any, types: tuple[type, ...]) -> Any:
     if float in types:
         return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else None
     return value if isinstance(value, str) else None
+
+
+# -- a config file and flags ---------------------------------------------------------------------
+# Set from the policy unless given with it: a new policy brings its own γ range and controller.
+FOLLOW_POLICY = ("gamma_min", "gamma_max", "controller", "controller_version")
+
+
+def with_flags(path: str | None, given: Mapping[str, Any], flags: Mapping[str, Any]) -> TunedConfig:
+    """The config of a command: the file at `path` overridden by `given` (the fields whose flags were
+    set to other than their defaults: a flag at its default cannot be told from an absent one, so it
+    keeps the file's value), or, without a file, the flags alone (`flags`, every field's flag value).
+    A policy given anew drops the file's γ range and controller unless they are given too."""
+    if not path:
+        return from_dict({k: v for k, v in flags.items() if v is not None}, "flags")
+    base = load_config(path).to_dict()
+    if "policy" in given and given["policy"] != base["policy"]:
+        base.update({k: None for k in FOLLOW_POLICY if k not in given})
+    if not given:
+        return from_dict(base, f"config {path}")
+    return from_dict(dict(base, **given), f"config {path} with the flags given")

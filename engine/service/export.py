@@ -1,0 +1,157 @@
+"""Export a tuned configuration (service/tuned_config.py) where engines read it: as Hugging Face
+assisted-generation keyword arguments and as a vLLM `speculative_config`, beside the SpecLab
+JSON/YAML; `render` gives any of the formats as text.
+
+Torch-free at import. The vLLM field names are the ones of `SpeculativeConfig` at a pinned release,
+extracted once into engine/data/vllm_speculative_config_fields.json; the export uses no other name."""
+from __future__ import annotations
+
+import json
+from functools import cache
+from typing import Any
+
+from engine.base.names import DATA_DIR, EMBEDDED
+from engine.base.names import SHIPPED_DRAFT as SHIPPED_DRAFT_PATH
+from engine.decode.policies import parse_policy
+from engine.service.tuned_config import FIXED, PLAIN, TunedConfig, to_json, to_yaml
+
+# The embedded target's shipped SpecLab draft as exports name it: relative to the repository.
+SHIPPED_DRAFT = SHIPPED_DRAFT_PATH.relative_to(DATA_DIR.parents[1]).as_posix()
+FORMATS = ("json", "yaml", "hf", "vllm")
+VLLM_FIELDS_FILE = DATA_DIR / "vllm_speculative_config_fields.json"
+# HF's own starting confidence threshold for dynamic speculation (GenerationConfig's default).
+HF_CONFIDENCE = 0.4
+
+
+# -- Hugging Face transformers --------------------------------------------------------------------
+# Keys `hf_bind` copies onto the assistant's generation_config: transformers' AssistedCandidate-
+# Generator reads them from there, not from the main call's kwargs (transformers 5.x,
+# generation/candidate_generator.py; tests/test_export.py shows a kwarg alone changes nothing).
+HF_ASSISTANT_KEYS = ("num_assistant_tokens", "num_assistant_tokens_schedule", "assistant_confidence_threshold")
+
+
+def draft_source(cfg: TunedConfig) -> str:
+    """The draft the loader would pick (engine.runtime.models._draft_source), as a path or id."""
+    if cfg.draft is not None:
+        return cfg.draft
+    return SHIPPED_DRAFT if cfg.target == EMBEDDED else cfg.target
+
+
+def hf_generate_kwargs(cfg: TunedConfig) -> dict[str, Any]:
+    """Keyword arguments for `target.generate(input_ids, **kwargs)`.
+
+    `assistant_model` holds the draft's path or id (JSON cannot hold a model): the caller loads
+    it and substitutes the model; `hf_bind` does that and also sets the assistant keys on the
+    assistant's generation_config, where transformers reads them. Policies that never draft
+    (`ar`, `reuse-only`) give plain decoding: no assistant. Mapping: fixed/joint:k → k tokens on
+    a constant schedule with the confidence stop off; heuristic:k0 → HF's own heuristic schedule
+    from k0, reset per call as SpecLab's is (`heuristic_transient`); threshold:c → up to γ_max
+    tokens, stopping under confidence c; rules, rakv and speckv* (cost-aware or learned, no HF
+    counterpart) → HF's dynamic speculation: up to γ_max tokens with its confidence stop."""
+    name, arg = parse_policy(cfg.policy)
+    out: dict[str, Any] = {"max_new_tokens": cfg.max_new_tokens}
+    if cfg.temperature > 0:
+        out.update(do_sample=True, temperature=cfg.temperature, top_p=cfg.top_p)
+    else:
+        out["do_sample"] = False
+    if name in PLAIN:
+        return out
+    out["assistant_model"] = draft_source(cfg)
+    if name in FIXED:
+        k = int(arg or 4)
+        out.update(num_assistant_tokens=k, num_assistant_tokens_schedule="constant", assistant_confidence_threshold=0.0)
+    elif name == "heuristic":
+        out.update(num_assistant_tokens=int(arg or 4), num_assistant_tokens_schedule="heuristic_transient",
+                   assistant_confidence_threshold=0.0)
+    elif name == "threshold":
+        out.update(num_assistant_tokens=cfg.gamma_max, num_assistant_tokens_schedule="constant",
+                   assistant_confidence_threshold=float(arg or 0.4))
+    else:
+        out.update(num_assistant_tokens=cfg.gamma_max, num_assistant_tokens_schedule="constant",
+                   assistant_confidence_threshold=HF_CONFIDENCE)
+    return out
+
+
+def hf_bind(kwargs: dict[str, Any], assistant_model: Any) -> dict[str, Any]:
+    """The kwargs for `generate` with the loaded draft in place of its path, and the assistant
+    keys set on `assistant_model.generation_config` (where transformers reads them)."""
+    out = dict(kwargs)
+    if "assistant_model" not in out:
+        return out
+    out["assistant_model"] = assistant_model
+    for key in HF_ASSISTANT_KEYS:
+        if key in out:
+            setattr(assistant_model.generation_config, key, out[key])
+    return out
+
+
+# -- vLLM -----------------------------------------------------------------------------------------
+@cache
+def vllm_fields() -> dict[str, Any]:
+    """The pinned vLLM release's SpeculativeConfig field names (release, source, fields, methods)."""
+    return json.loads(VLLM_FIELDS_FILE.read_text())
+
+
+def vllm_speculative_config(cfg: TunedConfig) -> dict[str, Any] | None:
+    """vLLM's `speculative_config` (`LLM(..., speculative_config=...)`, `--speculative-config`)
+    for the pinned release; None for policies that never draft. vLLM drafts a fixed number of
+    tokens per step: fixed/joint:k give k, every adaptive policy its γ cap (gamma_max)."""
+    name, arg = parse_policy(cfg.policy)
+    if name in PLAIN:
+        return None
+    k = int(arg or 4) if name in FIXED else cfg.gamma_max
+    out: dict[str, Any] = {"method": "draft_model", "model": draft_source(cfg), "num_speculative_tokens": k}
+    tier = cfg.draft_tier or (None if cfg.draft is not None or cfg.target == EMBEDDED else "nf4")
+    if tier in ("int8", "nf4"):  # bitsandbytes tiers; vLLM quantizes a draft the same way in flight
+        out["quantization"] = "bitsandbytes"
+    known = set(vllm_fields()["fields"]) - set(vllm_fields()["engine_set_fields"])
+    assert set(out) <= known and out["method"] in vllm_fields()["methods"], out
+    return out
+
+
+# -- the bundle ---------------------------------------------------------------------------------
+def notes(cfg: TunedConfig) -> list[str]:
+    """What the HF and vLLM forms cannot carry, one line each."""
+    name = cfg.policy_name
+    out = []
+    if name not in PLAIN + FIXED + ("heuristic", "threshold"):
+        out.append(f"{name} has no Hugging Face or vLLM counterpart: HF gets dynamic speculation capped at "
+                   f"γ = {cfg.gamma_max}, vLLM a fixed γ = {cfg.gamma_max}")
+    if name in ("heuristic", "threshold"):
+        out.append(f"vLLM drafts a fixed γ: {name} becomes γ = {cfg.gamma_max}")
+    if cfg.draft is None and cfg.target == EMBEDDED:
+        out.append(f"the embedded draft ({SHIPPED_DRAFT}) is a SpecLab draft sharing the target's embedding: "
+                   "load it with engine.runtime.models.load_pair; vLLM cannot load it as a checkpoint")
+    if cfg.kv_tier != "native":
+        out.append(f"KV tier {cfg.kv_tier}: in vLLM an engine argument (kv_cache_dtype), not part of "
+                   "speculative_config; HF has no equivalent here")
+    if cfg.kv_window is not None:
+        out.append(f"KV offload (W = {cfg.kv_window}{', coded' if cfg.kv_coded else ''}) is SpecLab's own")
+    if cfg.reuse:
+        out.append(f"prefix reuse ({cfg.prefix_budget_mib:g} MiB) is SpecLab's; vLLM has enable_prefix_caching")
+    if cfg.seed is not None:
+        out.append("HF takes no seed argument: call torch.manual_seed before generate")
+    return out
+
+
+def export_bundle(cfg: TunedConfig) -> dict[str, Any]:
+    """The three forms at once (and what does not carry over)."""
+    return {"speclab": cfg.to_dict(), "hf_generate_kwargs": hf_generate_kwargs(cfg),
+            "vllm_speculative_config": vllm_speculative_config(cfg), "vllm_release": vllm_fields()["release"],
+            "notes": notes(cfg)}
+
+
+def render(cfg: TunedConfig, fmt: str) -> str:
+    """The export's text in one format (json, yaml, hf, vllm)."""
+    if fmt == "json":
+        return to_json(cfg)
+    if fmt == "yaml":
+        return to_yaml(cfg)
+    if fmt == "hf":
+        return json.dumps(hf_generate_kwargs(cfg), indent=2) + "\n"
+    if fmt == "vllm":
+        spec = vllm_speculative_config(cfg)
+        if spec is None:
+            raise ValueError(f"policy {cfg.policy} never drafts: there is no vLLM speculative_config for it")
+        return json.dumps(spec, indent=2) + "\n"
+    raise ValueError(f"unknown export format {fmt!r}; known: {', '.join(FORMATS)}")
