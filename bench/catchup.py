@@ -1,7 +1,7 @@
 """The draft's catch-up read: what a probe pays after a streak of plain steps. One run, same
 weights, same context, for n = 1, 8, 32, 64 new tokens:
 
-    rowinv     the row-invariant forward reading the n tokens in one go (engine/invariance.py),
+    rowinv     the row-invariant forward reading the n tokens in one go (engine/runtime/invariance.py),
                what the engine does
     rows       the draft's HF forward reading them row by row, batch-invariant (the way before):
                also path-independent, the peer

@@ -15,11 +15,11 @@ import time
 import torch
 
 from engine.datasets.prompts import bench_prompts
-from engine.decode.policies import make_policy
-from engine.lab.generation import GenConfig, Generation, encode_prompt
+from engine.lab.generation import encode_prompt
 from engine.runtime.forward import sync_device
 from engine.runtime.models import ModelPair, load_pair
 from engine.service.options import add_model_args
+from engine.service.runs import Request, open_generation
 
 
 def _hf(pair: ModelPair, ids: list[int], max_new: int, assisted: bool) -> list[int]:
@@ -33,7 +33,8 @@ def _hf(pair: ModelPair, ids: list[int], max_new: int, assisted: bool) -> list[i
 
 
 def _engine(pair: ModelPair, ids: list[int], max_new: int, policy: str) -> list[int]:
-    return Generation(pair, ids, make_policy(policy), GenConfig(max_new_tokens=max_new)).run().token_ids
+    return open_generation(pair, Request("", policy, max_new_tokens=max_new), context=None,
+                           prompt_ids=ids).run().token_ids
 
 
 def _constant_schedule(draft: torch.nn.Module, k: int) -> None:

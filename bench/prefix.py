@@ -88,13 +88,13 @@ def calibrated(pair, st, prompts: list[str], max_new: int):
 
 def request(pair, ids: list[int], spec: str, reuse: bool, cache, ctx, max_new: int) -> dict:
     """One request under one configuration, timed whole: storing its state counts too."""
-    from engine.decode.policies import make_policy
-    from engine.lab.generation import GenConfig, Generation
     from engine.runtime.forward import sync_device
+    from engine.service.runs import Request, open_generation
 
     gc.collect()  # the previous request's garbage is not this one's to collect
     t0 = time.perf_counter()
-    g = Generation(pair, ids, make_policy(spec, ctx), GenConfig(max_new_tokens=max_new, reuse=reuse), prefix=cache).run()
+    req = Request("", spec, max_new_tokens=max_new, reuse=reuse)
+    g = open_generation(pair, req, context=ctx, prefix=cache, prompt_ids=ids).run()
     sync_device(pair.device)
     return dict(ttft_ms=g.summary.ttft_ms, wall_ms=(time.perf_counter() - t0) * 1e3, reused=g.summary.reused_tokens,
                 hit=g.summary.prefix_hit, tokens=g.token_ids, prompt_tokens=len(ids),

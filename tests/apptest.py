@@ -31,8 +31,6 @@ def _errors(at: AppTest) -> list[str]:
     return [e.value for e in at.error]
 
 
-
-
 def open_page(path: str) -> AppTest:
     """The app switched to one of its pages (`views/….py`), run once."""
     return AppTest.from_file(str(APP), default_timeout=120).switch_page(path).run()

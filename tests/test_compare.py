@@ -1,4 +1,4 @@
-"""engine/compare.py (policies side by side) and engine/runs_view.py (the Runs page's shaping)."""
+"""engine/lab/side_by_side.py (policies side by side) and engine/service/runs_view.py (the Runs page's shaping)."""
 from __future__ import annotations
 
 import datetime as dt

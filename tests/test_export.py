@@ -1,4 +1,4 @@
-"""Export of a tuned configuration (engine/export.py): SpecLab JSON/YAML round trips and their
+"""Export of a tuned configuration (engine/service/export.py): SpecLab JSON/YAML round trips and their
 one-line errors, HF kwargs run through a real `generate`, vLLM names against the pinned release,
 the stored versions and `generate --config`."""
 import importlib.util

@@ -1,4 +1,4 @@
-"""The draft's row-invariant forward (engine/invariance.py): reads of any chunking agree bit for
+"""The draft's row-invariant forward (engine/runtime/invariance.py): reads of any chunking agree bit for
 bit, attention still computes attention, and a model the probe rejects is left as it was."""
 import pytest
 import torch

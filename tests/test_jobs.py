@@ -1,4 +1,4 @@
-"""Background sweeps (engine/jobs.py) on the tiny pair: results land as they finish, one sweep at
+"""Background sweeps (engine/service/jobs.py) on the tiny pair: results land as they finish, one sweep at
 a time, Stop keeps what finished and a restart resumes the rest."""
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The joint KV tuner (engine/kv/tuner.py), `python -m engine tune` and the KV & prefetch page, on a
+"""The joint KV tuner (engine/service/kv_tuner.py), `python -m engine tune` and the KV & prefetch page, on a
 synthetic `bench kv` measurement: no model, no benchmark, seconds."""
 from __future__ import annotations
 
@@ -41,7 +41,7 @@ def _acc(target_tier: str, kv: str, acceptance: float, tps: dict) -> dict:
 
 
 def synthetic(mu: float = MU, dec: float = DEC) -> dict:
-    """A `bench kv` result as bench/kv.py stores it (the shape in issue 12), its figures made up."""
+    """A `bench kv` result as service/kv_measure.py stores it (the shape in issue 12), its figures made up."""
     restore = []
     for b in (0.1, 0.3, 1, 3, 10, 30, 100):
         row = dict(gbit_s=b)

@@ -21,7 +21,7 @@ def test_new_cache_picks_growing_for_full_attention(tiny_pair):
     assert isinstance(new_cache(tiny_pair.target), GrowingCache)
 
 
-# -- KV tiers (engine/kv/tiers.py) ------------------------------------------------------------------
+# -- KV tiers (engine/runtime/kv/tiers.py) ------------------------------------------------------------------
 import pytest  # noqa: E402
 
 from engine.runtime.kv import tiers as T  # noqa: E402

@@ -1,4 +1,4 @@
-"""engine/importers/speckv.py: SpecKV's real phase-2 step CSV becomes runs + steps; malformed files
+"""engine/datasets/speckv.py: SpecKV's real phase-2 step CSV becomes runs + steps; malformed files
 are refused in one line naming file and line, and add nothing."""
 
 from __future__ import annotations

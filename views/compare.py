@@ -1,7 +1,7 @@
 """Compare: two to four policies on the same prompts, live, one after another (each run takes the
 decode slot), side by side — summary, γ timelines, where the outputs differ — and a what-if tab
-that replays any policies over the stored traces. Glue only: engine/compare.py runs and shapes,
-engine/service.py replays, the store keeps every run."""
+that replays any policies over the stored traces. Glue only: engine/lab/side_by_side.py runs and shapes,
+engine/service/ replays, the store keeps every run."""
 from __future__ import annotations
 
 import os

@@ -1,6 +1,6 @@
 """Export: the tuned configuration as SpecLab JSON/YAML (`generate --config` reads it back), as
 Hugging Face `generate` kwargs and as a vLLM `speculative_config`; saved in the store with a
-version. Glue only: engine/export.py makes every form, engine/service.py stores them."""
+version. Glue only: engine/service/export.py makes every form, engine/service/ stores them."""
 from __future__ import annotations
 
 import json

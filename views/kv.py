@@ -1,6 +1,6 @@
 """KV & prefetch: what the newest stored `bench kv` measurement says about holding the target's KV
 cache at a tier, coding it, and restoring it over a link in windows of W; and the joint tuner's
-choice beside the seed preset. Glue only: engine/service.py reads, models and tunes; this page draws."""
+choice beside the seed preset. Glue only: engine/service/ reads, models and tunes; this page draws."""
 from __future__ import annotations
 
 import math

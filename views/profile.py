@@ -1,5 +1,5 @@
 """Profile: a sweep (tiers × KV tiers × prompts × policies, each a live run stored as it finishes)
-started from the page and run in the background (engine/jobs.py), optionally after tracing the
+started from the page and run in the background (engine/service/jobs.py), optionally after tracing the
 same prompts for replay and retrain. The progress shows to every session; leaving the page and
 coming back finds it; Stop keeps what finished and the same name resumes. Glue only."""
 from __future__ import annotations
@@ -13,6 +13,7 @@ from engine.base.names import KV_TIERS, WEIGHT_TIERS
 from engine.decode.policies import POLICY_EXAMPLES, parse_policy
 from engine.lab.profiling import sweep_jobs
 from engine.service import prompt_set, sweep_table
+from engine.service.cluster import ClusterSpec, PairSpec
 from engine.service.jobs import RUNNER, SweepSpec, SweepStatus
 from store import Store
 from views.common import Settings, _pair, get_pair, settings, show_error
@@ -41,20 +42,31 @@ def inputs() -> tuple[bool, dict]:
         max_new = c1.number_input("Max new tokens", min_value=2, max_value=8192, value=32, step=16,
                                   key="profile_max_new")
         trace = c2.checkbox("also trace the prompts (for replay and retrain)", value=True, key="profile_trace")
+        c1, c2 = st.columns(2)
+        ray = c1.checkbox("run on a cluster (Ray)", value=False, key="profile_ray",
+                          help="One worker per GPU (per CPU here) loads the pair once; this process stores every "
+                          "run. Traces, when asked, are made here first. docs/scale.md")
+        address = c2.text_input("Cluster address", value="", key="profile_ray_address",
+                                placeholder="empty: a local cluster of 2 CPUs", help="host:port, ray://host:port or auto")
         start = st.form_submit_button("Start", type="primary", key="profile_start")
     return start, dict(name=name.strip(), which=which, per_task=int(per_task), tiers=tiers, kv_tiers=kv_tiers,
-                       policies=policies, max_new_tokens=int(max_new), trace=bool(trace))
+                       policies=policies, max_new_tokens=int(max_new), trace=bool(trace), ray=bool(ray),
+                       ray_address=address.strip())
 
 
-def spec_of(inp: dict) -> SweepSpec:
-    """The sweep the form describes; one-line ValueErrors for what it lacks."""
+def spec_of(inp: dict, s: Settings | None = None) -> SweepSpec:
+    """The sweep the form describes (on a cluster, with the sidebar's pair for its workers);
+    one-line ValueErrors for what it lacks."""
     for what in ("tiers", "kv_tiers", "policies"):
         if not inp[what]:
             raise ValueError(f"choose at least one of the {what.replace('_', ' ').replace('kv', 'KV')}")
     for spec in inp["policies"]:
         parse_policy(spec)
     jobs = sweep_jobs(prompt_set(inp["which"], inp["per_task"]), inp["tiers"], inp["policies"], inp["kv_tiers"])
-    return SweepSpec(inp["name"], tuple(jobs), inp["max_new_tokens"], inp["trace"])
+    if not inp.get("ray"):
+        return SweepSpec(inp["name"], tuple(jobs), inp["max_new_tokens"], inp["trace"])
+    cluster, pair = ClusterSpec(inp["ray_address"] or None), PairSpec(s.target if s else None, s.draft if s else None)
+    return SweepSpec(inp["name"], tuple(jobs), inp["max_new_tokens"], inp["trace"], cluster, pair)
 
 
 def loader(s: Settings):
@@ -67,8 +79,9 @@ def start(inp: dict) -> None:
     s = settings()
     try:
         RUNNER.check_free()  # before loading anything
-        spec = spec_of(inp)
-        get_pair(s, spec.jobs[0].tier)  # a bad model or tier fails here, on the page, in one line
+        spec = spec_of(inp, s)
+        if spec.cluster is None or spec.trace:  # traces are made here; on a cluster, the workers load the pair
+            get_pair(s, spec.jobs[0].tier)  # a bad model or tier fails here, on the page, in one line
         RUNNER.start(spec, s.db, loader(s))
     except Exception as e:  # noqa: BLE001 - one line, never a traceback
         show_error(e)

@@ -1,6 +1,6 @@
 """Runs: every stored run and its steps, filtered (model pair, tier, policy, task, date), with
 acceptance against the draft's entropy and confidence, the best fixed γ by tier × task, tokens/s by
-policy, and downloads as CSV or Parquet. Glue only: engine/runs_view.py shapes the DataFrames the
+policy, and downloads as CSV or Parquet. Glue only: engine/service/runs_view.py shapes the DataFrames the
 store returns; the file is opened read-only, so a running sweep keeps writing."""
 from __future__ import annotations
 

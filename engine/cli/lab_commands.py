@@ -11,6 +11,7 @@ from engine.decode.policies import split_policies
 from engine.service import TRACE_POLICIES
 from engine.service.options import (
     KV_TIERS_ARG,
+    exact_verify,
 )
 
 
@@ -142,6 +143,11 @@ def cmd_retrain(a: argparse.Namespace) -> int:
          ("--policies", dict(default="ar,fixed:1,fixed:2,fixed:3,fixed:4,fixed:6,speckv,rakv")), PROMPTS_ARG,
          ("--per-task", dict(type=int, default=2)), ("--max-new-tokens", dict(type=int, default=128)),
          ("--sweep", dict(default="default", help="sweep name: a rerun with the same name resumes it")),
+         ("--ray", dict(nargs="?", const="", default=None, metavar="ADDRESS", help="run the cells on a Ray cluster "
+                        "(host:port, ray://host:port or auto; no address: a local one of 2 CPUs); docs/scale.md")),
+         ("--workers", dict(type=int, default=None, help="with --ray: workers (default: as many as the cluster holds)")),
+         ("--worker-gpus", dict(type=float, default=None, help="with --ray: GPUs per worker (default: 1 where the "
+                                "cluster has GPUs, else 0)")),
          ("--json", dict(action="store_true", help="print the per-tier table as JSON")), models=True, db="DuckDB file")
 def cmd_profile(a: argparse.Namespace) -> int:
     from engine.decode.policies import parse_policy
@@ -163,8 +169,12 @@ def cmd_profile(a: argparse.Namespace) -> int:
     with Store(a.db) as st:  # one read-write connection for the sweep; each run committed as it finishes
         bar = progress_bar(f"profile {a.sweep}")
         try:
-            profile(st, a.sweep, sweep_jobs(prompts, tiers, policies, kv_tiers), lambda tier: load(a, tier), a.max_new_tokens,
-                    on_start=lambda n: bar.reset(total=n), on_run=lambda: bar.update(1), say=say)
+            jobs = sweep_jobs(prompts, tiers, policies, kv_tiers)
+            if a.ray is not None:  # the cells on a cluster; this process alone writes the store
+                _profile_on_ray(a, st, jobs, bar)
+            else:
+                profile(st, a.sweep, jobs, lambda tier: load(a, tier), a.max_new_tokens,
+                        on_start=lambda n: bar.reset(total=n), on_run=lambda: bar.update(1), say=say)
         except KeyboardInterrupt:
             bar.close()
             say(f"\ninterrupted: finished runs are stored; rerun with --sweep {a.sweep} to resume")
@@ -174,6 +184,19 @@ def cmd_profile(a: argparse.Namespace) -> int:
         table = sweep_table(st.runs(sweep=a.sweep))
     print(json.dumps(table) if a.json else format_sweep(table))
     return 0
+
+
+def _profile_on_ray(a: argparse.Namespace, st, jobs: list, bar) -> None:
+    """`profile --ray`: service/cluster_sweep.py with the pair the model flags name."""
+    from engine.service.cluster import ClusterSpec, PairSpec
+    from engine.service.cluster_sweep import profile_on_ray
+
+    pair = PairSpec(a.target, a.draft, a.draft_tier, a.device, a.trust_remote_code, exact_verify(a), a.eagle)
+    res = profile_on_ray(st, a.sweep, jobs, pair, a.max_new_tokens, ClusterSpec(a.ray or None, a.workers, 1.0, a.worker_gpus),
+                         on_start=lambda n: bar.reset(total=n), on_cell=lambda f: bar.update(1), say=say)
+    if res.workers:
+        say(f"\n{res.ran} cell(s) on {len(res.workers)} worker(s) in {res.wall_s:.1f} s; {res.failed} failed, "
+            f"{res.retried} resubmitted after a worker died")
 
 
 @command("tune", "recommend a KV tier, coding, W and γ from the stored `bench kv` measurement, beside the seed "

@@ -2,7 +2,7 @@
 draft's ms per drafted token and the target's verify ms for k = 0..8 drafted tokens, at a few
 context lengths, and each other proposer's ms per drafted token (and catch-up reads). Controllers
 weigh (proposer, draft length) with it; the what-if replay turns steps into seconds with it. Plain
-Python: engine/profiling.py measures it with the models."""
+Python: engine/lab/profiling.py measures it with the models."""
 from __future__ import annotations
 
 import bisect

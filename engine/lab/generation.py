@@ -1,4 +1,4 @@
-"""A live generation: the model-backed oracles under the one step loop (engine/step.py), with
+"""A live generation: the model-backed oracles under the one step loop (engine/decode/step.py), with
 the clock on the wall. Also the prompt encoding and the `runs` row a finished run leaves."""
 from __future__ import annotations
 
@@ -30,7 +30,7 @@ class GenConfig:
     temperature: float = 0.0  # 0 = greedy; > 0 = exact speculative sampling
     top_p: float = 1.0  # nucleus filter applied to both q and p before acceptance
     seed: int | None = None  # sampling seed; drawn (and recorded with the run) when None
-    kv_tier: str = "native"  # the target's KV cache tier: native, fp8, int8 (engine/kv/tiers.py)
+    kv_tier: str = "native"  # the target's KV cache tier: native, fp8, int8 (engine/runtime/kv/tiers.py)
     reuse: bool = True  # take the longest stored prefix from the prefix cache (when a run has one)
 
     def validate(self) -> None:

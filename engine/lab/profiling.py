@@ -7,7 +7,7 @@ of them match the output) and its lookahead. It is one live run of plain decodin
 before each target step, every proposer drafts k_max tokens and then hears that none stood and
 the target's token followed. The draft reads the prompt alone, then one token at a time; a live
 run's catch-up reads several at once, which the draft's row-invariant forward computes bit for
-bit alike, so any policy replays over a trace exactly (engine/whatif.py)."""
+bit alike, so any policy replays over a trace exactly (engine/lab/whatif.py)."""
 from __future__ import annotations
 
 import itertools

@@ -1,9 +1,9 @@
 """Comparisons: two to four policies on the same prompts, run one after another on one loaded
-pair (never two decodes at once: each run takes the process's decode slot, engine/slots.py), and
+pair (never two decodes at once: each run takes the process's decode slot, engine/lab/slots.py), and
 the figures the Compare page draws from them: a summary per policy, the γ each chose per step,
 and where their outputs differ. Also the what-if table over stored traces.
 
-Torch-free at import, like engine/service.py: the generation modules are imported inside the
+Torch-free at import, like engine/service/: the generation modules are imported inside the
 function that decodes, so the pages and tests can use the pure helpers without loading torch."""
 from __future__ import annotations
 
@@ -103,7 +103,7 @@ def shared_seed(cfg):
 def summary_rows(results: Sequence[Result]) -> list[dict[str, Any]]:
     """One row per policy over all its runs, in the order the policies ran: tokens/s as all
     tokens over all wall time (a long prompt weighs what it cost), TTFT the mean, acceptance and
-    tokens per step from the steps (as engine/step.py's summarize defines them per run)."""
+    tokens per step from the steps (as engine/decode/step.py's summarize defines them per run)."""
     by: dict[str, list[Result]] = {}
     for r in results:
         by.setdefault(r.policy, []).append(r)

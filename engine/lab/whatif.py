@@ -1,5 +1,5 @@
 """Exact what-if replay: any policy over stored acceptance traces, through the same step loop
-a live run takes (engine/step.py) with trace-backed oracles (engine/oracles/trace.py). The very
+a live run takes (engine/decode/step.py) with trace-backed oracles (engine/oracles/trace.py). The very
 Policy objects the engine runs make the choices, seeing the same DecodeState and StepRecords,
 so a replay reproduces the live run's steps one for one; a cost table turns the steps into
 milliseconds. No model is loaded, no torch imported."""

@@ -43,7 +43,7 @@ def _ngram(pair, prompt_ids: list[int], sampler, verifier, options: dict[str, st
 
 
 PROPOSERS: dict[str, Factory] = {"draft": _draft, "eagle": _eagle, "ngram": _ngram}
-assert tuple(PROPOSERS) == PROPOSER_NAMES, "engine/records.py lists the proposers in this order"
+assert tuple(PROPOSERS) == PROPOSER_NAMES, "engine/decode/records.py lists the proposers in this order"
 
 
 def available(pair) -> tuple[str, ...]:

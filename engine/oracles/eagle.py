@@ -1,4 +1,4 @@
-"""The EAGLE proposer: the pair's feature-level head (engine/eagle.py) drafts from the target's
+"""The EAGLE proposer: the pair's feature-level head (engine/runtime/eagle_head.py) drafts from the target's
 own final-norm hidden states, which the verifier keeps for every context position it has read.
 
 The head's row i reads (f_i, x_{i+1}). The verifier knows f_i for every position but the newest

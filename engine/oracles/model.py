@@ -31,7 +31,7 @@ def draft_read(pair: ModelPair, ids: list[int], cache) -> tuple[torch.Tensor, ob
     """The draft reads `ids` after `cache`: logits [1, V] of the last. Its state at a position
     must never depend on how many tokens each read took (the policy's path), or live runs would
     not replay their traces: a row-invariant draft reads in chunks the load-time probe checked,
-    any other row by row (engine/invariance.py)."""
+    any other row by row (engine/runtime/invariance.py)."""
     if not pair.draft_row_invariant:
         with invariance.verifying() if len(ids) > 1 else contextlib.nullcontext():
             return forward_logits(pair.draft, ids, cache, 1, pair.vocab_size, gather=True)
@@ -132,12 +132,12 @@ def target_reads(pair: ModelPair, kv_tier: str) -> Callable[[], contextlib.Abstr
 
 class TargetVerifier:
     """One target forward over [newest token, d_1 … d_k] scores every draft prefix at once. With
-    a prefix cache, the prefill takes what the longest stored prefix offers (engine/prefix_cache.py)."""
+    a prefix cache, the prefill takes what the longest stored prefix offers (engine/runtime/prefix_cache.py)."""
 
     def __init__(self, pair: ModelPair, prompt_ids: list[int], sampler: Sampler,
                  prefix: PrefixCache | None = None, kv_tier: str = "native") -> None:
         self.pair, self.sampler, self.prefix = pair, sampler, prefix
-        self.kv_tier = kv_tier  # the tier of the target's KV cache (engine/kv/tiers.py)
+        self.kv_tier = kv_tier  # the tier of the target's KV cache (engine/runtime/kv/tiers.py)
         # At a lossy tier every read of the target runs row-invariant where the pair allows it.
         self.reads = target_reads(pair, kv_tier)
         self.tokens = list(prompt_ids)  # the context: the prompt and every emitted token

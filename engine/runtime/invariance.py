@@ -19,7 +19,7 @@ linears see row counts padded to a multiple of 2 or 4 (the kernels round every r
 and attention runs in float64. A load-time probe reads the same tokens in several chunkings and
 keeps the change only if every chunking agrees bit for bit.
 
-A lossy KV tier (engine/kv/tiers.py) gives the target that duty too: a one-ULP change in a key
+A lossy KV tier (engine/runtime/kv/tiers.py) gives the target that duty too: a one-ULP change in a key
 can move it across a quantization step, a change the tier then magnifies (at fp32, where verify
 is not batch-invariant, fp8 outputs left plain decoding's after a few dozen tokens). So
 `make_reads_row_invariant` gives the target the same row-invariant forward, switched on only

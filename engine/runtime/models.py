@@ -44,11 +44,11 @@ class ModelPair:
     vocab_size: int  # logits are compared over this many leading ids (both models cover them)
     eos_ids: frozenset[int]
     max_context: int
-    exact_verify: bool = False  # verify forwards run batch-invariant (engine/invariance.py)
+    exact_verify: bool = False  # verify forwards run batch-invariant (engine/runtime/invariance.py)
     rowwise_linears: int = 0  # target linears found row-variant and run row by row in verify
     draft_row_invariant: bool = False  # the draft reads several tokens at once (invariance.make_row_invariant)
     eagle: object | None = None  # the target's feature-level draft head, when one is loaded (proposer "eagle")
-    feature_tap: object | None = None  # keeps the target's final-norm states for it (engine/eagle.py)
+    feature_tap: object | None = None  # keeps the target's final-norm states for it (engine/runtime/eagle_head.py)
     eagle_name: str = ""
 
     @property
@@ -238,7 +238,7 @@ def load_pair(
 ) -> ModelPair:
     """Target and draft on one device (`None`/"embedded": the embedded default), each made ready
     for its duty: the target's verify batch-invariant where its tier needs it, the draft's reads
-    row-invariant (engine/invariance.py; docs/architecture.md, "Exactness and invariance")."""
+    row-invariant (engine/runtime/invariance.py; docs/architecture.md, "Exactness and invariance")."""
     dev = resolve_device(device)
     target_name = EMBEDDED_LABEL if target in (None, "", EMBEDDED) else target
     draft, draft_tier, draft_name, speclab_draft = _draft_source(target, draft, draft_tier, dev)

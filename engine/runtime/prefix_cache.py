@@ -10,14 +10,14 @@ logits start the answer); an exact repeat of a stored prompt takes every positio
 logits. Entries are evicted least recently used first under a byte budget; one larger than the
 whole budget is refused. One lock guards it: workbench sessions share a loaded pair and its cache.
 
-A row-invariant draft's positions are path-independent (engine/invariance.py), so reusing them
+A row-invariant draft's positions are path-independent (engine/runtime/invariance.py), so reusing them
 leaves live runs replayable from traces; any other draft takes them only from an exact repeat
 (`DraftModelProposer._reusable`). The target's reused positions were computed in
 another request's batches; where the target's kernels round a row differently with the batch,
 output can drift from a cold prefill, which `python -m engine divergence` measures.
 
 With a `Spill`, an evicted entry does not vanish: its target KV moves to a slow tier (files or
-host memory behind a link, engine/kv/offload.py) in windows, raw or coded, and a stub keeps its
+host memory behind a link, engine/runtime/kv/offload.py) in windows, raw or coded, and a stub keeps its
 tokens and logits in the bucket; a later hit restores it (pipelined, every window checked) and
 takes it back into memory. The draft's state is not spilled (the draft reads the prompt again).
 The spill tier has its own byte budget and LRU; a stub whose restore fails is dropped, a miss."""
@@ -41,7 +41,6 @@ from engine.runtime.kv.tiers import Quantized
 DIGEST_TOKENS = 16  # tokens the bucket digest reads (RAKV-ASD)
 DIGEST_BYTES = 12
 DEFAULT_BUDGET = 512 << 20  # bytes (RAKV-ASD's 512 MiB)
-
 
 
 def digest(key: tuple, tokens: list[int] | tuple[int, ...]) -> bytes:
@@ -80,7 +79,7 @@ def fill(cache, kv: KV, length: int):
 @dataclass
 class Spill:
     """Where evicted entries go: a slow tier, its byte budget, the window W they move in, and
-    optionally a codec kit (engine/kv/calibration.py) to code them against the predictor."""
+    optionally a codec kit (engine/runtime/kv/calibration.py) to code them against the predictor."""
 
     slow: SlowTier
     budget_bytes: int

@@ -18,6 +18,7 @@ from engine.service.cost_tables import (
     policy_context,
     stored_costs,
 )
+from engine.service.export import save_export, stored_exports
 from engine.service.kv_actions import (
     MEASURE_KV_MINUTES,
     format_tune,
@@ -27,7 +28,7 @@ from engine.service.kv_actions import (
     tune_kv,
 )
 from engine.service.replays import TRACE_IDENTITY, newest_traces, replay_all, replay_rows, retrain
-from engine.service.runs import latest_live_run, save_export, store_run, stored_exports
+from engine.service.runs import latest_live_run, store_run
 from engine.service.sweeps import (
     TRACE_POLICIES,
     format_sweep,
@@ -35,6 +36,7 @@ from engine.service.sweeps import (
     parse_tiers,
     profile,
     prompt_set,
+    stored_keys,
     sweep_table,
     trace_prompts,
 )
@@ -44,5 +46,5 @@ __all__ = [
     "context_for", "controller_loader", "cost_key", "cost_table", "format_sweep", "format_tune", "kv_view",
     "latest_kv_measurement", "latest_live_run", "measure_kv", "newest_traces", "parse_kv_tiers", "parse_tiers",
     "policy_context", "profile", "prompt_set", "replay_all", "replay_rows", "retrain", "save_export", "store_run",
-    "stored_costs", "stored_exports", "sweep_table", "tier_label", "trace_prompts", "tune_kv",
+    "stored_costs", "stored_exports", "stored_keys", "sweep_table", "tier_label", "trace_prompts", "tune_kv",
 ]

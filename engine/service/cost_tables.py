@@ -13,19 +13,16 @@ from store import Store
 ALPHA_MIN_STEPS = 32  # drafting steps of stored runs before their acceptance replaces rakv's default prior
 
 
-
 # -- costs -------------------------------------------------------------------------------------
 def cost_key(pair, kv_tier: str = "native") -> tuple:
     """(device, target, draft, target tier, draft tier, KV tier): what a cost table is measured for."""
     return (str(pair.device), pair.target_name, pair.draft_name, pair.target_tier, pair.draft_tier, kv_tier)
 
 
-
 def stored_costs(store: Store, key: tuple) -> CostTable | None:
     """The newest cost table stored for `key`, or None."""
     rows = store.costs(*key).to_dict("records")
     return CostTable.from_rows(rows) if rows else None
-
 
 
 def cost_table(store: Store, pair, say: Callable[[str], None] = lambda m: None, kv_tier: str = "native") -> CostTable:
@@ -43,10 +40,9 @@ def cost_table(store: Store, pair, say: Callable[[str], None] = lambda m: None, 
     return table
 
 
-
 def calibrate_costs(store: Store, key: tuple) -> CostTable:
     """Stores (and returns) the cost table of `key` (cost_key's) calibrated against the stored
-    live steps of that pair, device, tier and KV tier (engine/costs.py, `calibrate`)."""
+    live steps of that pair, device, tier and KV tier (engine/decode/costs.py, `calibrate`)."""
     kv_tier = key[5] if len(key) > 5 and key[5] else "native"
     table = stored_costs(store, key)
     if table is None:
@@ -55,7 +51,6 @@ def calibrate_costs(store: Store, key: tuple) -> CostTable:
     table = calibrate(table, store.step_times(*key[:4], kv_tier=kv_tier).itertuples(index=False, name=None))
     store.add_costs(table.to_rows(REPS))
     return table
-
 
 
 def calibrate_all(store: Store) -> list[tuple[tuple, CostTable | str]]:
@@ -69,7 +64,6 @@ def calibrate_all(store: Store) -> list[tuple[tuple, CostTable | str]]:
         except ValueError as e:
             out.append((key, str(e)))
     return out
-
 
 
 # -- policy context ------------------------------------------------------------------------------
@@ -87,7 +81,6 @@ def controller_loader(store: Store) -> Callable[[str, int | None], Predictor]:
     return load
 
 
-
 def policy_context(store: Store, pair, say: Callable[[str], None] = lambda m: None,
                    kv_tier: str = "native") -> PolicyContext:
     """What `speckv`/`rakv` need on this pair at this KV tier: its cost table, the store's
@@ -102,7 +95,6 @@ def policy_context(store: Store, pair, say: Callable[[str], None] = lambda m: No
             priors[name] = hits / n
     return PolicyContext(costs=cost_table(store, pair, say, kv_tier), controller=controller_loader(store),
                          alpha0=priors.get("draft"), priors=priors)
-
 
 
 def context_for(db: str, pair, spec: str, say: Callable[[str], None] = lambda m: None,

@@ -13,7 +13,9 @@ from typing import Any
 from engine.base.names import DATA_DIR, EMBEDDED
 from engine.base.names import SHIPPED_DRAFT as SHIPPED_DRAFT_PATH
 from engine.decode.policies import parse_policy
+from engine.service.runs import file_missing
 from engine.service.tuned_config import FIXED, PLAIN, TunedConfig, to_json, to_yaml
+from store import Store
 
 # The embedded target's shipped SpecLab draft as exports name it: relative to the repository.
 SHIPPED_DRAFT = SHIPPED_DRAFT_PATH.relative_to(DATA_DIR.parents[1]).as_posix()
@@ -155,3 +157,27 @@ def render(cfg: TunedConfig, fmt: str) -> str:
             raise ValueError(f"policy {cfg.policy} never drafts: there is no vLLM speculative_config for it")
         return json.dumps(spec, indent=2) + "\n"
     raise ValueError(f"unknown export format {fmt!r}; known: {', '.join(FORMATS)}")
+
+
+# -- stored exports --------------------------------------------------------------------------------
+def save_export(db: str, cfg, fmt: str, name: str | None = None) -> tuple[str, int, str]:
+    """Renders a TunedConfig in `fmt` and stores it as the next version of `name` (default: the
+    target and the policy): (name, version, text). The text is made before the file is opened."""
+    from engine.service.tuned_config import default_name
+
+    text = render(cfg, fmt)
+    name = (name or "").strip() or default_name(cfg)
+    if not db:
+        raise ValueError("an export is stored in a database: pass --db")
+    with Store(db, wait_s=3.0) as st:
+        return name, st.add_export(name, cfg.to_dict(), fmt, text), text
+
+
+def stored_exports(db: str):
+    """Every stored export, oldest first (empty when the file does not exist yet)."""
+    import pandas as pd
+
+    if file_missing(db):
+        return pd.DataFrame(columns=["name", "version", "format", "created_at"])
+    with Store(db, wait_s=3.0) as st:  # read-write: a file from before exports is migrated
+        return st.exports()

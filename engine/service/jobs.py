@@ -5,7 +5,7 @@ streamlit: the page passes a loader of its cached pairs.
 A sweep is `service.profile` (the CLI's `profile --sweep`: each run stored as it finishes, a
 rerun of the same name resumes), optionally after `service.trace_prompts` over the same prompts
 so that replay and retrain have traces. Every model call takes the process's decode slot
-(engine/slots.py) per run, so a live decode waits at most one run. Stop is checked between runs:
+(engine/lab/slots.py) per run, so a live decode waits at most one run. Stop is checked between runs:
 the run in progress finishes and is stored."""
 from __future__ import annotations
 
@@ -31,6 +31,8 @@ class SweepSpec:
     jobs: tuple
     max_new_tokens: int
     trace: bool = False
+    cluster: Any = None  # a service.cluster.ClusterSpec: the runs on a Ray cluster; None: here, one by one
+    pair: Any = None  # with a cluster: the service.cluster.PairSpec its workers load
 
 
 @dataclass(frozen=True)
@@ -86,6 +88,12 @@ def check_spec(spec: SweepSpec) -> None:
         raise ValueError("a sweep needs a name (its runs are stored under it; the same name resumes)")
     if not spec.jobs:
         raise ValueError("nothing to run: choose at least one tier, KV tier, prompt and policy")
+    if spec.cluster is not None and spec.pair is None:
+        raise ValueError("a sweep on a cluster needs the pair its workers load (service.cluster.PairSpec)")
+    if spec.cluster is not None and spec.cluster.address:  # a wrong address is said on the page, not later
+        from engine.service.cluster import check_address
+
+        check_address(spec.cluster.address)
     if spec.max_new_tokens < (2 if spec.trace else 1):
         raise ValueError(f"max new tokens must be ≥ {2 if spec.trace else 1}"
                          f"{' for a trace to have a position' if spec.trace else ''}, got {spec.max_new_tokens}")
@@ -178,14 +186,37 @@ class SweepRunner:
             with store:
                 if spec.trace:
                     self._trace(spec, store, load)
-                profile(store, spec.name, list(spec.jobs), load, spec.max_new_tokens,
-                        on_start=self._runs_pending, on_run=lambda: self._item_done("run", made=True),
-                        say=lambda m: self._update(current=m), guard=self._guard)
+                if spec.cluster is not None:
+                    self._on_cluster(spec, store)
+                else:
+                    profile(store, spec.name, list(spec.jobs), load, spec.max_new_tokens,
+                            on_start=self._runs_pending, on_run=lambda: self._item_done("run", made=True),
+                            say=lambda m: self._update(current=m), guard=self._guard)
             self._end("finished")
         except _Stopped:
             self._end("stopped")
         except BaseException as e:  # noqa: BLE001 - the page shows it as one line
             self._end("failed", one_line(e))
+
+    def _on_cluster(self, spec: SweepSpec, store: Store) -> None:
+        """The runs on a Ray cluster (service/cluster_sweep.py), this thread the store's one writer. No
+        decode slot: no model runs in this process. The ETA divides by the workers by itself: a
+        run's time is the time between two stored cells. Stop lets the cells in flight finish."""
+        from engine.service.cluster_sweep import profile_on_ray
+
+        self._update(current=f"starting workers on {spec.cluster.where}")
+        self._t0 = time.monotonic()
+
+        def stored(_) -> None:
+            self._item_done("run", made=True)
+            self._t0 = time.monotonic()
+
+        res = profile_on_ray(store, spec.name, list(spec.jobs), spec.pair, spec.max_new_tokens, spec.cluster,
+                             on_start=self._runs_pending, on_cell=stored, stop=self._stop.is_set,
+                             on_dispatch=lambda job, pid: self._update(current=job_label(job)),
+                             say=lambda m: self._update(current=m))
+        if res.stopped:
+            raise _Stopped()
 
     def _trace(self, spec: SweepSpec, store: Store, load: Callable[[str], object]) -> None:
         """Traces each prompt per setting that has no trace of this length yet (trace_prompts

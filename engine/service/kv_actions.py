@@ -10,11 +10,9 @@ from engine.service.runs import file_missing
 from engine.service.sweeps import parse_tiers
 from store import Store
 
-# -- KV tuning (engine/kv/tuner.py) and measurement (bench/kv.py) ------------------------------------
+# -- KV tuning (engine/service/kv_tuner.py) and measurement (bench/kv.py) ------------------------------------
 # Rough wall time of `bench kv` on this project's 2-core CPU, for the page's button (quick / full).
 MEASURE_KV_MINUTES = {True: 5, False: 30}
-
-
 
 
 def latest_kv_measurement(db: str, target: str | None, target_tier: str | None = None
@@ -30,7 +28,6 @@ def latest_kv_measurement(db: str, target: str | None, target_tier: str | None =
         if not len(st.kv_measurements(target=tuner.target_name(target), kind="bench")):
             return None
         return tuner.newest_measurement(st, target, target_tier)
-
 
 
 def tune_kv(db: str, target: str | None, target_tier: str | None, context: int, link_gbit_s: float,
@@ -56,7 +53,6 @@ def tune_kv(db: str, target: str | None, target_tier: str | None, context: int, 
                                  target_tier=f.get("measured_target_tier"), acceptance_tier=f.get("target_tier")))
 
 
-
 def format_tune(out: dict[str, Any]) -> str:
     """`tune`'s text: the measurement it read, choice | measured | seed | why, the contradictions."""
     m, o = out["measurement"], out["ours"]
@@ -71,7 +67,6 @@ def format_tune(out: dict[str, Any]) -> str:
     if out["notes"]:
         lines += ["notes:"] + [f"  - {n}" for n in out["notes"]]
     return "\n".join(lines)
-
 
 
 def kv_view(row: dict, kv_tier: str, coded: bool, predictor: str | None, window: int, context: int,
@@ -106,7 +101,6 @@ def kv_view(row: dict, kv_tier: str, coded: bool, predictor: str | None, window:
         ours=ours.as_dict(), seed=seed.as_dict(), table=kv_seed.comparison_rows(ours, seed), contradictions=contra,
         missing=kv_figures.missing(m), notes=notes + cost_notes + list(ours.notes),
     )
-
 
 
 def measure_kv(db_path: str, quick: bool = True, target: str | None = None) -> object:

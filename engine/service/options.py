@@ -30,7 +30,7 @@ def exact_verify(a: argparse.Namespace) -> bool | None:
     return VERIFY_MODES[getattr(a, "verify", "auto")]
 
 
-# The target's KV cache tier (engine/kv/tiers.py); checked where it is used (GenConfig,
+# The target's KV cache tier (engine/runtime/kv/tiers.py); checked where it is used (GenConfig,
 # service.parse_kv_tiers), so an unknown one is refused in one line naming the known ones.
 KV_TIER_ARG = ("--kv-tier", dict(default="native", help="the target's KV cache tier: native (the model's dtype), "
                                  "fp8 (e4m3 × a power of two per token and head) or int8 (× a bf16 scale)"))

@@ -44,18 +44,15 @@ def replay_all(store: Store, policies: list, tiers: list[str] | None = None, tra
     return out
 
 
-
 # What makes two traces the same trace of a prompt: a prompt traced again (for a proposer the
 # first trace lacked) replaces the first, in replay as in training.
 TRACE_IDENTITY = ("device", "target", "draft", "target_tier", "draft_tier", "kv_tier", "prompt", "chat", "max_new_tokens")
-
 
 
 def newest_traces(traces):
     """The newest trace of each (pair, tiers, prompt, length): traces() are oldest first."""
     key = traces[list(TRACE_IDENTITY)].astype(str).agg("\x1f".join, axis=1)
     return traces[~key.duplicated(keep="last")]
-
 
 
 # -- retrain -------------------------------------------------------------------------------------
@@ -85,7 +82,6 @@ def retrain(st: Store, source: str, protocol: str | None = None, seed: int = 42,
     return report
 
 
-
 def _examples(st: Store, source: str, sweep: str | None):
     """(examples, what-if function or None) for the chosen source."""
     from engine.training import retrain as T
@@ -108,7 +104,6 @@ def _examples(st: Store, source: str, sweep: str | None):
     return make(steps, runs), None
 
 
-
 def _replay_gain(st: Store, mlp: Predictor, trace_ids: set) -> dict:
     """Exact replay over the test prompts' traces: the new controller vs fixed:4 and the best
     fixed γ per tier, in modelled tokens/s (summed over tiers)."""
@@ -125,7 +120,6 @@ def _replay_gain(st: Store, mlp: Predictor, trace_ids: set) -> dict:
     bf = sum(by[(t, best[t])] for t in tiers)
     return dict(tokens_per_s=ours, fixed4_tokens_per_s=f4, best_fixed=best, best_fixed_tokens_per_s=bf,
                 gain_vs_fixed4=ours / f4 - 1, gain_vs_best_fixed=ours / bf - 1)
-
 
 
 def replay_rows(st: Store, policies: Iterable[str], tiers: list[str] | None, by: str,

@@ -1,6 +1,6 @@
 """One generation, from a request to a stored run: the one owner of "run one generation", which the
 CLI's `generate`, the Live page, Compare, profiling sweeps and the benchmarks all call, so a run's
-row is the same whoever made it. Also the newest live run and the stored exports.
+row is the same whoever made it. Also the newest live run (the Export page starts from it).
 
     req = Request(prompt, policy="rakv", task="code")
     gen = open_generation(pair, req, db)         # parse, context, policy, Generation (no decode yet)
@@ -66,14 +66,15 @@ def check(req: Request) -> None:
 
 
 def open_generation(pair, req: Request, db: str | None = None, context: Any = AUTO, prefix=None,
-                    say: Callable[[str], None] = lambda m: None):
-    """The request's Generation, ready to stream or run: the prompt encoded, the policy made with
+                    say: Callable[[str], None] = lambda m: None, prompt_ids: list[int] | None = None):
+    """The request's Generation, ready to stream or run: the prompt encoded (or `prompt_ids`, the
+    same prompt encoded once by a benchmark that hands the ids to a peer too), the policy made with
     its context (`context`, or read from `db` for the policies that weigh costs)."""
     from engine.lab.generation import Generation, encode_prompt
 
     check(req)
     ctx = context_for(db or "", pair, req.policy, say, req.kv_tier) if context is AUTO else context
-    ids = encode_prompt(pair.tokenizer, req.prompt, req.chat)
+    ids = prompt_ids if prompt_ids is not None else encode_prompt(pair.tokenizer, req.prompt, req.chat)
     return Generation(pair, ids, make_policy(req.policy, ctx), req.config(), prefix)
 
 
@@ -155,7 +156,6 @@ def store_run(db: str, row: dict, steps: list[dict], wait_s: float = 10.0) -> tu
         return run_id, False, f"stored as run {run_id} in {db}" + (f" ({st.message})" if st.message else "")
 
 
-
 def latest_live_run(db: str) -> dict | None:
     """The newest finished live run (what the Export page starts from); None when there is none."""
     if file_missing(db):
@@ -166,28 +166,3 @@ def latest_live_run(db: str) -> dict | None:
     return None if not len(runs) else runs.iloc[-1].to_dict()
 
 
-
-# -- exports (engine/export.py) -----------------------------------------------------------------
-def save_export(db: str, cfg, fmt: str, name: str | None = None) -> tuple[str, int, str]:
-    """Renders a TunedConfig in `fmt` and stores it as the next version of `name` (default: the
-    target and the policy): (name, version, text). The text is made before the file is opened."""
-    from engine.service.export import render
-    from engine.service.tuned_config import default_name
-
-    text = render(cfg, fmt)
-    name = (name or "").strip() or default_name(cfg)
-    if not db:
-        raise ValueError("an export is stored in a database: pass --db")
-    with Store(db, wait_s=3.0) as st:
-        return name, st.add_export(name, cfg.to_dict(), fmt, text), text
-
-
-
-def stored_exports(db: str):
-    """Every stored export, oldest first (empty when the file does not exist yet)."""
-    import pandas as pd
-
-    if file_missing(db):
-        return pd.DataFrame(columns=["name", "version", "format", "created_at"])
-    with Store(db, wait_s=3.0) as st:  # read-write: a file from before exports is migrated
-        return st.exports()

@@ -24,7 +24,7 @@ def pair_labels(runs: pd.DataFrame) -> pd.Series:
 
 
 def tier_labels(runs: pd.DataFrame) -> pd.Series:
-    """`fp32`, or `fp32/fp8` off the native KV tier (as engine/whatif.py's tier_label names them)."""
+    """`fp32`, or `fp32/fp8` off the native KV tier (as engine/lab/whatif.py's tier_label names them)."""
     if not len(runs):
         return pd.Series([], dtype=object)
     kv = runs["kv_tier"].fillna("native") if "kv_tier" in runs else pd.Series("native", index=runs.index)

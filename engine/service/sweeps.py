@@ -14,7 +14,6 @@ from store import Store
 TRACE_POLICIES = "ar,fixed:1,fixed:2,fixed:3,fixed:4,fixed:6,fixed:8,heuristic,rules,speckv,rakv"
 
 
-
 def prompt_set(which: str, per_task: int | None) -> list[tuple[str, str]]:
     """(task, prompt) pairs of a named set: heldout, bench or train."""
     from engine.datasets import prompts as P
@@ -26,7 +25,6 @@ def prompt_set(which: str, per_task: int | None) -> list[tuple[str, str]]:
     return sets[which]()
 
 
-
 def _known(text: str, known: tuple[str, ...], what: str) -> list[str]:
     """Comma-separated names, each one of `known`, at least one."""
     names = csv_list(text)
@@ -36,16 +34,13 @@ def _known(text: str, known: tuple[str, ...], what: str) -> list[str]:
     return names
 
 
-
 def parse_tiers(text: str) -> list[str]:
     return _known(text, WEIGHT_TIERS, "tier")
-
 
 
 def parse_kv_tiers(text: str) -> list[str]:
     """Comma-separated KV tiers (native, fp8, int8), checked."""
     return _known(text, KV_TIERS, "KV tier")
-
 
 
 # -- traces and sweeps ---------------------------------------------------------------------------
@@ -75,6 +70,12 @@ def trace_prompts(st: Store, pair, prompts: list[tuple[str, str]], max_new_token
     return len(todo)
 
 
+def stored_keys(st: Store, sweep: str) -> set[tuple[str, str, str, str]]:
+    """(tier, KV tier, prompt, policy) of every run stored in the sweep: what a rerun skips,
+    serially or on a cluster (service/cluster_sweep.py)."""
+    return {(r["target_tier"], r["kv_tier"] if isinstance(r["kv_tier"], str) else "native", r["prompt"], r["policy"])
+            for r in st.runs(sweep=sweep).to_dict("records")}
+
 
 def profile(st: Store, sweep: str, jobs: list, load: Callable[[str], object], max_new_tokens: int,
             on_start: Callable[[int], None] = lambda n: None, on_run: Callable[[], None] = lambda: None,
@@ -85,13 +86,11 @@ def profile(st: Store, sweep: str, jobs: list, load: Callable[[str], object], ma
     KV tier's); each run is stored as it finishes, so an interrupted sweep keeps what it did and
     a rerun resumes. Whatever runs the models (a KV tier's cost measurement, each run) runs inside
     `guard(job)`: the workbench takes its decode slot there, and stops a sweep between runs by
-    raising from it (engine/jobs.py). Returns how many ran."""
+    raising from it (engine/service/jobs.py). Returns how many ran."""
     from engine.lab.profiling import pending
     from engine.service.runs import Request, generate
 
-    done = {(r["target_tier"], r["kv_tier"] if isinstance(r["kv_tier"], str) else "native", r["prompt"], r["policy"])
-            for r in st.runs(sweep=sweep).to_dict("records")}
-    todo = pending(jobs, done)
+    todo = pending(jobs, stored_keys(st, sweep))
     on_start(len(todo))
     for tier in dict.fromkeys(j.tier for j in todo):
         pair = load(tier)
@@ -110,7 +109,6 @@ def profile(st: Store, sweep: str, jobs: list, load: Callable[[str], object], ma
     return len(todo)
 
 
-
 def sweep_table(runs) -> dict:
     """Per tier (`fp32`; `fp32/fp8` for a KV tier off native): tokens/s of each policy (all
     tokens over all wall time of its runs; a prompt run several times counts once, at its median
@@ -118,6 +116,8 @@ def sweep_table(runs) -> dict:
     the best fixed γ (any proposer: `fixed:4@ngram` counts as γ 4), and each adaptive policy against
     max(ar, best fixed)."""
     out = {}
+    if "error" in runs:  # a cell stored as failed (a cluster sweep goes on past it) has no speed
+        runs = runs[runs["error"].isna()]
     kv = runs["kv_tier"].fillna("native").tolist() if "kv_tier" in runs else ["native"] * len(runs)
     labels = [tier_label(t, k) for t, k in zip(runs["target_tier"], kv)]
     for tier, df in runs.assign(_setting=labels).groupby("_setting", sort=True):
@@ -132,7 +132,6 @@ def sweep_table(runs) -> dict:
                          peer=peer, vs_peer={p: v / peer for p, v in tps.items() if not p.startswith("fixed:") and p != "ar"},
                          prompts=int(df["prompt"].nunique()))
     return out
-
 
 
 def format_sweep(table: dict) -> str:

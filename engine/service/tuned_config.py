@@ -26,7 +26,7 @@ from engine.decode.records import K_MAX
 FILE_FORMAT = "speclab-tuned-config/1"  # the "format" key of a SpecLab config file
 
 
-# Learned policies → the stored controller they read (engine/policies: speckv-paper uses speckv's).
+# Learned policies → the stored controller they read (engine/decode/policies: speckv-paper uses speckv's).
 CONTROLLERS = {"speckv": "speckv", "speckv-rf": "speckv-rf", "speckv-paper": "speckv"}
 
 
@@ -52,17 +52,17 @@ class TunedConfig:
     kv_tier: str = "native"  # the target's KV cache tier (memory per token, costs are keyed by it)
     # The γ policy and, for a learned one, which stored controller: a later retrain must not
     # silently change what an exported setting does.
-    policy: str = DEFAULT_POLICY  # a policy spec (engine/policies): fixed:4, rakv, speckv, ...
+    policy: str = DEFAULT_POLICY  # a policy spec (engine/decode/policies): fixed:4, rakv, speckv, ...
     controller: str | None = None  # speckv*: the controller's name (filled in from the policy)
     controller_version: int | None = None  # speckv*: its version; None = whichever is active
     # The γ range the tuner recommends: fixed policies' γ, the cap for adaptive ones in HF/vLLM,
     # which have no cost-aware γ of their own.
     gamma_min: int | None = None  # None = from the policy
     gamma_max: int | None = None  # None = from the policy
-    # KV offload (engine/kv/offload.py): restore window W and whether windows are coded.
+    # KV offload (engine/runtime/kv/offload.py): restore window W and whether windows are coded.
     kv_window: int | None = None  # W in tokens; None = no offload
-    kv_coded: bool = False  # code offloaded windows against the predictor (engine/kv/codec.py)
-    # Cross-request prefix reuse (engine/prefix_cache.py).
+    kv_coded: bool = False  # code offloaded windows against the predictor (engine/runtime/kv/codec.py)
+    # Cross-request prefix reuse (engine/runtime/prefix_cache.py).
     reuse: bool = True  # take the longest stored prefix from the prefix cache
     prefix_budget_mib: float = 512.0  # the prefix cache's byte budget
     # Sampling (GenConfig): the same values reproduce the same run.

@@ -8,7 +8,7 @@ Stages (each resumable; a rerun skips what is done):
 2. train: a few layers initialised from chosen target layers learn, with the target's embedding
    and head frozen, to match the target: cross-entropy on its greedy token (what acceptance
    rewards) plus KL on its top-k. AdamW, warm-up + cosine, checkpoints as safetensors + JSON.
-3. the draft directory (engine/draft.py) with a card of how it was made and what it measured.
+3. the draft directory (engine/runtime/draft_model.py) with a card of how it was made and what it measured.
 """
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""`python -m engine distill --kind eagle`: train an EAGLE head (engine/eagle.py) for a target.
+"""`python -m engine distill --kind eagle`: train an EAGLE head (engine/runtime/eagle_head.py) for a target.
 
 Stages (each resumable; a rerun skips what is done):
 1. text: the target's own greedy responses to the project's training prompts (what it will be

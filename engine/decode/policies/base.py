@@ -39,7 +39,7 @@ class BasePolicy:
     name = "base"
     why = ""  # the last choice's reason in one line, for the workbench (a policy may leave it empty)
     # The proposers the run builds for it (None: every one the pair has), which the spec's
-    # `@proposer` sets (engine/policies/__init__.py), and their options from the spec
+    # `@proposer` sets (engine/decode/policies/__init__.py), and their options from the spec
     # (name → {option: text}; never mutated). A policy that does not choose among proposers
     # (all but policies.CHOOSERS) has one: the draft model unless the spec names another.
     proposers: tuple[str, ...] | None = None

@@ -1,4 +1,4 @@
-"""A KV cache whose per-layer buffers grow by doubling, at a KV tier (engine/kv/tiers.py).
+"""A KV cache whose per-layer buffers grow by doubling, at a KV tier (engine/runtime/kv/tiers.py).
 
 HF's DynamicLayer appends with `torch.cat`, re-copying the whole cache on every forward, a
 cost that grows with the context. Here an append copies only the new tokens and a roll-back (`crop`) is a length change.
@@ -168,7 +168,7 @@ class GrowingCache(DynamicCache):
         return self
 
     def bytes_per_token(self) -> int:
-        """Bytes held per token over all layers: engine/kv/tiers.py's `bytes_per_token`."""
+        """Bytes held per token over all layers: engine/runtime/kv/tiers.py's `bytes_per_token`."""
         return sum(layer.bytes_per_token() for layer in self.layers)
 
 

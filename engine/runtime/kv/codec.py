@@ -1,7 +1,7 @@
 """Lossless speculative KV coding (docs/architecture.md, "KV coding").
 
 The target's KV is the output of a deterministic forward pass, so coding it costs only what a
-cheap predictor (engine/kv/predictor.py) fails to predict. Encoder and decoder run the same
+cheap predictor (engine/runtime/kv/predictor.py) fails to predict. Encoder and decoder run the same
 predictor over the same tokens and get μ; σ per (K/V, layer, head, channel) and a linear bias
 per channel come from calibration text and are stored with the codec (`Stats`). Each stored
 number x is then coded against a Gaussian N(μ, σ) integrated over x's own cell of the tier's
@@ -192,7 +192,7 @@ class Stats:
     """Per (K/V, layer, head, channel): bias α + β·μ and σ of what remains, in value units; fitted
     on calibration text for one target and one predictor. With them, the coarse tables."""
 
-    fingerprint: str  # the target's (engine/kv/predictor.fingerprint)
+    fingerprint: str  # the target's (engine/runtime/kv/predictor.fingerprint)
     predictor: str
     alpha: np.ndarray  # [2, L, H, 1, D]
     beta: np.ndarray
@@ -295,7 +295,7 @@ def concat(parts: list[TierKV]) -> TierKV:
 
 
 def predicted_side(tier: str, mu: np.ndarray) -> np.ndarray:
-    """The side numbers the predictor's own KV would get at `tier` (engine/kv/tiers.py's rule),
+    """The side numbers the predictor's own KV would get at `tier` (engine/runtime/kv/tiers.py's rule),
     computed with exactly rounded operations only (both sides must agree on every bit)."""
     amax = np.abs(mu.astype(np.float32)).max(-1)
     if tier == "fp8":

@@ -1,8 +1,8 @@
 """KV offload and prefetch: a context's KV moves to a slow tier and back, window by window
 (docs/architecture.md, "KV offload").
 
-A window of W tokens leaves as the tier's stored form (engine/kv/tiers.py), either as it is or
-coded against the predictor (engine/kv/codec.py), and lands in a slow tier: files in a folder,
+A window of W tokens leaves as the tier's stored form (engine/runtime/kv/tiers.py), either as it is or
+coded against the predictor (engine/runtime/kv/codec.py), and lands in a slow tier: files in a folder,
 or host memory behind a link of modelled bandwidth and latency. A restore is pipelined: a
 fetch thread has window i+1 in flight (the link or the disk, which free the GIL) while the
 caller's thread runs the predictor over window i's tokens and decodes it. The whole restore is

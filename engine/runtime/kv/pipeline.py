@@ -1,7 +1,7 @@
 """The restore pipeline, modelled (plain Python: the tuner and the pages use it without torch).
 
 A link moves windows one after another; the restoring thread computes μ of window i (it needs
-no data) once window i-1 is done, then decodes window i when it has arrived (engine/kv/offload.py
+no data) once window i-1 is done, then decodes window i when it has arrived (engine/runtime/kv/offload.py
 runs exactly this, with a fetch thread for the link)."""
 from __future__ import annotations
 

@@ -105,8 +105,6 @@ def bytes_per_token(tier: str, layers: int, kv_heads: int, head_dim: int, native
     return 2 * layers * kv_heads * per_head[tier]
 
 
-
-
 def check_tier(tier: str) -> str:
     """`tier` if it is a KV tier; a one-line ValueError naming the known ones otherwise."""
     if tier not in KV_TIERS:
