@@ -3,7 +3,6 @@ profiling traces, cost tables and learned controllers."""
 
 from __future__ import annotations
 
-import json
 import os
 import threading
 import uuid
@@ -33,13 +32,7 @@ from .errors import StoreError, reason
 from .rows import to_table
 from .schema import check_readable, columns, migrate
 from .staging import StagedWrite
-from .tables import (
-    COST_KEY,
-    latest_costs_sql,
-    pack_params,
-    prepare_costs,
-    unpack_params,
-)
+from .tables import COST_KEY, latest_costs_sql, pack_params, prepare_costs, read_controller
 
 # DuckDB gives int64 for an integer column without NULLs and Int64 with them; callers
 # concatenating or comparing frames need the same dtype whatever the data.
@@ -384,25 +377,8 @@ class Store:
     def controller(self, name: str,
                    version: int | None = None) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
         """(params, meta) of one version; None means the active one, else the latest."""
-        pick = " AND version = ?" if version is not None else ""
-        sql = (f"SELECT version, params, meta FROM controllers WHERE name = ?{pick}"
-               " ORDER BY coalesce(active, false) DESC, version DESC LIMIT 1")
         with self._reader() as con:
-            row = con.execute(sql, [name] + ([version] if version is not None else [])).fetchone()
-            have = [r[0] for r in con.execute(
-                "SELECT version FROM controllers WHERE name = ? ORDER BY version", [name]
-            ).fetchall()] if row is None else []
-        if row is None and not have:
-            raise StoreError(f"no controller {name!r} in {self.path};"
-                             " run `python -m engine retrain` first")
-        if row is None:
-            raise StoreError(f"no controller {name!r} version {version} in {self.path}"
-                             f" (versions: {', '.join(map(str, have))})")
-        where = f"controller {name!r} version {row[0]} in {self.path}"
-        if row[1] is None:
-            raise StoreError(f"{where} has no params")
-        meta = json.loads(row[2]) if row[2] is not None else {}
-        return unpack_params(bytes(row[1]), where), meta
+            return read_controller(con, name, version, self.path)
 
     def controllers(self) -> pd.DataFrame:
         """Every controller version (without params), by name then version."""

@@ -4,6 +4,7 @@ parameters (.npz, never pickled)."""
 from __future__ import annotations
 
 import io
+import json
 import uuid
 import zipfile
 from collections.abc import Mapping, Sequence
@@ -16,7 +17,7 @@ from .errors import StoreError
 from .rows import to_table
 
 # What identifies a cost measurement; costs() keeps the newest batch per key.
-COST_KEY = ("device", "target", "draft", "target_tier", "draft_tier", "kv_tier")  # engine.base.names.COST_KEY
+COST_KEY = ("device", "target", "draft", "target_tier", "draft_tier", "kv_tier")  # the one spelling (engine.base.names)
 # np.savez's own parameter names cannot be used as array names.
 _RESERVED = ("file", "allow_pickle")
 
@@ -82,3 +83,23 @@ def prepare_costs(rows: Sequence[Mapping[str, Any]]) -> tuple[str, pa.Table]:
             raise StoreError(f"costs[{i}] has a different ({', '.join(COST_KEY)}) than costs[0];"
                              " add one batch per key")
     return cost_id, table
+
+
+def read_controller(con, name: str, version: int | None, path: object) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
+    """(params, meta) of one stored controller version (None: the active one, else the latest),
+    read through `con`; a missing one is a StoreError naming the versions there are."""
+    pick = " AND version = ?" if version is not None else ""
+    sql = (f"SELECT version, params, meta FROM controllers WHERE name = ?{pick}"
+           " ORDER BY coalesce(active, false) DESC, version DESC LIMIT 1")
+    row = con.execute(sql, [name] + ([version] if version is not None else [])).fetchone()
+    if row is None:
+        have = [r[0] for r in con.execute("SELECT version FROM controllers WHERE name = ? ORDER BY version",
+                                          [name]).fetchall()]
+        if not have:
+            raise StoreError(f"no controller {name!r} in {path}; run `python -m engine retrain` first")
+        raise StoreError(f"no controller {name!r} version {version} in {path} (versions: {', '.join(map(str, have))})")
+    where = f"controller {name!r} version {row[0]} in {path}"
+    if row[1] is None:
+        raise StoreError(f"{where} has no params")
+    meta = json.loads(row[2]) if row[2] is not None else {}
+    return unpack_params(bytes(row[1]), where), meta

@@ -2,4 +2,4 @@
 shipped draft and head, DATA_DIR, the cost key) and small helpers (helpers.py: the default database,
 one-line errors, the median timer).
 
-May import: store.errors only."""
+May import: store (the bottom layer) only."""

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from store.tables import COST_KEY as STORE_COST_KEY
+
 # The repository's data (shipped drafts and heads, held-out prompts, the SpecKV CSV, vLLM's field
 # list): found here and nowhere else, so a module's place in the tree does not decide its paths.
 DATA_DIR = Path(__file__).resolve().parents[1] / "data"
@@ -21,6 +23,6 @@ EMBEDDED_CACHE = "smollm2-135m-instruct"  # its safetensors copy under the model
 SHIPPED_DRAFT = DATA_DIR / "drafts" / "smollm2-135m-instruct"
 SHIPPED_EAGLE = DATA_DIR / "drafts" / "smollm2-135m-instruct-eagle"
 
-# What identifies a cost table: one per (device, models, tiers); store/tables.py keys its batches by
-# it and service.cost_key builds it from a loaded pair.
-COST_KEY = ("device", "target", "draft", "target_tier", "draft_tier", "kv_tier")
+# What identifies a cost table: one per (device, models, tiers). The store keys its batches by it,
+# so it is spelled there (store never imports engine) and named here for the engine.
+COST_KEY = STORE_COST_KEY

@@ -12,6 +12,7 @@ from collections import defaultdict
 from dataclasses import dataclass, field, replace
 from typing import Iterable
 
+from engine.base.names import COST_KEY
 from engine.decode.records import K_MAX
 
 CONTEXT_BUCKETS = (64, 256, 512)  # context lengths measured; a step uses the nearest one below
@@ -138,8 +139,8 @@ class CostTable:
         rows = sorted(by.pop("draft", []), key=lambda r: r["ctx_bucket"])
         if not rows:
             raise ValueError("the cost rows hold no draft model's row: run `python -m engine costs` again")
-        key = {k: rows[0][k] for k in ("device", "target", "draft", "target_tier", "draft_tier")}
-        key["kv_tier"] = rows[0]["kv_tier"] if isinstance(rows[0].get("kv_tier"), str) else "native"
+        key = {k: rows[0].get(k) for k in COST_KEY}
+        key["kv_tier"] = key["kv_tier"] if isinstance(key["kv_tier"], str) else "native"
         factor = rows[0].get("step_factor")
         per_bucket = lambda name: ([float(r[name]) for r in rows]  # noqa: E731
                                    if all(_given(r.get(name)) for r in rows) else None)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Callable
 
+from engine.base.names import COST_KEY
 from engine.decode.acceptance import Predictor
 from engine.decode.costs import REPS, CostTable, calibrate
 from engine.decode.policies import NEEDS_CONTEXT, PolicyContext, make_policy, parse_policy
@@ -15,8 +16,10 @@ ALPHA_MIN_STEPS = 32  # drafting steps of stored runs before their acceptance re
 
 # -- costs -------------------------------------------------------------------------------------
 def cost_key(pair, kv_tier: str = "native") -> tuple:
-    """(device, target, draft, target tier, draft tier, KV tier): what a cost table is measured for."""
-    return (str(pair.device), pair.target_name, pair.draft_name, pair.target_tier, pair.draft_tier, kv_tier)
+    """What a cost table is measured for, in COST_KEY's order (device, models, tiers, KV tier)."""
+    of = dict(device=str(pair.device), target=pair.target_name, draft=pair.draft_name, target_tier=pair.target_tier,
+              draft_tier=pair.draft_tier, kv_tier=kv_tier)
+    return tuple(of[k] for k in COST_KEY)
 
 
 def stored_costs(store: Store, key: tuple) -> CostTable | None:
@@ -55,8 +58,6 @@ def calibrate_costs(store: Store, key: tuple) -> CostTable:
 
 def calibrate_all(store: Store) -> list[tuple[tuple, CostTable | str]]:
     """Every stored cost table calibrated where its live steps allow: (key, table or the reason not)."""
-    from store.tables import COST_KEY
-
     out: list[tuple[tuple, CostTable | str]] = []
     for key in store.costs()[list(COST_KEY)].drop_duplicates().itertuples(index=False, name=None):
         try:

@@ -1,7 +1,9 @@
-"""Lossless speculative KV coding (docs/architecture.md, "KV coding").
+"""Lossless speculative KV coding (docs/architecture.md, "KV coding"). One purpose, kept in one file
+over the usual size: the encoder and the decoder must make the same table choices bit for bit, and
+reading them side by side is how that stays true.
 
 The target's KV is the output of a deterministic forward pass, so coding it costs only what a
-cheap predictor (engine/runtime/kv/predictor.py) fails to predict. Encoder and decoder run the same
+cheap predictor (engine/runtime/kv/proxy.py) fails to predict. Encoder and decoder run the same
 predictor over the same tokens and get μ; σ per (K/V, layer, head, channel) and a linear bias
 per channel come from calibration text and are stored with the codec (`Stats`). Each stored
 number x is then coded against a Gaussian N(μ, σ) integrated over x's own cell of the tier's
