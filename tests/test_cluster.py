@@ -182,3 +182,11 @@ def test_the_profile_page_runs_a_sweep_on_the_cluster(local_cluster, app_env):
     assert len(runs) == 8 and runs["error"].isna().all()  # heldout: one prompt per task, four tasks, two policies
     at.run()
     assert "Sweep ui-ray" in at.success[0].value and set(at.dataframe[0].value["policy"]) == {"ar", "fixed:2"}
+
+
+def test_devices_are_named_by_type_so_two_gpu_models_never_share_a_cost_table(monkeypatch):
+    from engine.runtime.models import device_name
+
+    assert device_name("cpu") == device_name(torch.device("cpu")) == "cpu"
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda d=None: {0: "NVIDIA H200", 1: "NVIDIA L4"}[torch.device(d).index])
+    assert device_name("cuda:0") == "cuda (NVIDIA H200)" and device_name(torch.device("cuda:1")) == "cuda (NVIDIA L4)"

@@ -33,6 +33,7 @@ from engine.service.options import (
                            "overrides it")),
          models=True, db="DuckDB file for the run; '' stores nothing")
 def cmd_generate(a: argparse.Namespace) -> int:
+    from engine.runtime.models import device_name
     from engine.runtime.prefix_cache import PrefixCache
     from engine.service.runs import Request, check, keep, open_generation
 
@@ -64,7 +65,7 @@ def cmd_generate(a: argparse.Namespace) -> int:
             stop_reason=s.stop_reason, policy=policy.name, target=pair.target_name,
             draft=pair.draft_name, target_tier=pair.target_tier, draft_tier=pair.draft_tier,
             kv_tier=cfg.kv_tier, kv_bytes_per_token=gen.kv_bytes_per_token,
-            device=str(pair.device), seed=gen.seed, run_id=run_id, reused_tokens=s.reused_tokens,
+            device=device_name(pair.device), seed=gen.seed, run_id=run_id, reused_tokens=s.reused_tokens,
             prefix_hit=s.prefix_hit, steps=steps)))
     else:
         rate = "–" if s.acceptance_rate is None else f"{s.acceptance_rate:.2f}"

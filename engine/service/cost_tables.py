@@ -17,7 +17,9 @@ ALPHA_MIN_STEPS = 32  # drafting steps of stored runs before their acceptance re
 # -- costs -------------------------------------------------------------------------------------
 def cost_key(pair, kv_tier: str = "native") -> tuple:
     """What a cost table is measured for, in COST_KEY's order (device, models, tiers, KV tier)."""
-    of = dict(device=str(pair.device), target=pair.target_name, draft=pair.draft_name, target_tier=pair.target_tier,
+    from engine.runtime.models import device_name  # a loaded pair: torch is there already
+
+    of = dict(device=device_name(pair.device), target=pair.target_name, draft=pair.draft_name, target_tier=pair.target_tier,
               draft_tier=pair.draft_tier, kv_tier=kv_tier)
     return tuple(of[k] for k in COST_KEY)
 
