@@ -38,11 +38,7 @@ def decision(csv: Path, n: int = 5000) -> dict:
 
     from engine.base.helpers import median_ms
     from engine.datasets.speckv import import_speckv
-    from engine.decode.acceptance import (
-        PAPER_CANDIDATES,
-        feature_rows,
-        tokens_from_rate,
-    )
+    from engine.decode.acceptance import PAPER_CANDIDATES, feature_rows, tokens_from_rate
     from engine.decode.policies.speckv import SpeckvPolicy
     from engine.decode.records import DecodeState
     from engine.training.retrain import fit_mlp, from_speckv_steps

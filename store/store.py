@@ -18,16 +18,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from . import staging
-from .connection import (
-    MEMORY,
-    LockedError,
-    acquire,
-    connect_with_wait,
-    insert,
-    release,
-    transaction,
-    unreadable,
-)
+from .connection import MEMORY, LockedError, acquire, connect_with_wait, insert, release, transaction, unreadable
 from .errors import StoreError, reason
 from .rows import to_table
 from .schema import check_readable, columns, migrate

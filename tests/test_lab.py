@@ -364,13 +364,7 @@ def test_controllers_read_the_kv_tier_and_old_ones_keep_predicting(traced, trace
     with the paper's six (meta lists its features) loads and predicts as before at any KV tier."""
     import pandas as pd
 
-    from engine.decode.acceptance import (
-        FEATURES,
-        FEATURES_KV,
-        KV_CODES,
-        Predictor,
-        feature_rows,
-    )
+    from engine.decode.acceptance import FEATURES, FEATURES_KV, KV_CODES, Predictor, feature_rows
     from engine.decode.policies.speckv import SpeckvPolicy
     from engine.decode.records import DecodeState
     from engine.runtime.kv.tiers import KV_TIERS

@@ -1,12 +1,6 @@
 import pytest
 
-from engine.decode.policies import (
-    K_MAX,
-    NEEDS_CONTEXT,
-    POLICY_EXAMPLES,
-    PolicyContext,
-    make_policy,
-)
+from engine.decode.policies import K_MAX, NEEDS_CONTEXT, POLICY_EXAMPLES, PolicyContext, make_policy
 from engine.decode.records import DecodeState, DraftToken, StepRecord
 from tiny import synthetic_context
 

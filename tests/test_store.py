@@ -22,14 +22,7 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from store import (
-    MIGRATIONS,
-    SCHEMA_VERSION,
-    StagedWrite,
-    Store,
-    StoreError,
-    pending_staged,
-)
+from store import MIGRATIONS, SCHEMA_VERSION, StagedWrite, Store, StoreError, pending_staged
 
 REPO = Path(__file__).resolve().parents[1]
 

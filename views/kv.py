@@ -11,12 +11,7 @@ import streamlit as st
 from plotly.subplots import make_subplots
 
 from engine.base.names import KV_TIERS
-from engine.service import (
-    MEASURE_KV_MINUTES,
-    kv_view,
-    latest_kv_measurement,
-    measure_kv,
-)
+from engine.service import MEASURE_KV_MINUTES, kv_view, latest_kv_measurement, measure_kv
 from engine.service.kv_figures import GOALS, measured_windows
 from engine.service.kv_tuner import target_name
 from views.common import settings, show_error

@@ -12,24 +12,13 @@ from plotly.subplots import make_subplots
 
 from engine.base.names import KV_TIERS, WEIGHT_TIERS
 from engine.datasets.prompts import WORKBENCH_PROMPT
-from engine.decode.policies import (
-    DEFAULT_POLICY,
-    POLICY_EXAMPLES,
-)
+from engine.decode.policies import DEFAULT_POLICY, POLICY_EXAMPLES
 from engine.decode.records import PROPOSER_NAMES
 from engine.lab.generation import Generation
 from engine.lab.side_by_side import policy_options, proposers_of
 from engine.lab.slots import decode_slot
 from engine.service.runs import Request, check, keep, open_generation
-from views.common import (
-    Saved,
-    get_pair,
-    get_prefix_cache,
-    save_run,
-    settings,
-    show_error,
-    show_saved,
-)
+from views.common import Saved, get_pair, get_prefix_cache, save_run, settings, show_error, show_saved
 
 RESULT_KEY = "live_result"
 PROPOSERS_KEY = "speclab_proposers"  # the loaded pair's proposers (engine.oracles.available), for the selectors

@@ -9,10 +9,7 @@ from engine.cli.parsing import JSON_ARG, PROMPTS_ARG, TIERS_ARG, command, load, 
 from engine.decode.costs import REPS
 from engine.decode.policies import split_policies
 from engine.service import TRACE_POLICIES
-from engine.service.options import (
-    KV_TIERS_ARG,
-    exact_verify,
-)
+from engine.service.options import KV_TIERS_ARG, exact_verify
 
 
 # -- measure, replay, learn ------------------------------------------------------------------------
@@ -152,14 +149,7 @@ def cmd_retrain(a: argparse.Namespace) -> int:
 def cmd_profile(a: argparse.Namespace) -> int:
     from engine.decode.policies import parse_policy
     from engine.lab.profiling import sweep_jobs
-    from engine.service import (
-        format_sweep,
-        parse_kv_tiers,
-        parse_tiers,
-        profile,
-        prompt_set,
-        sweep_table,
-    )
+    from engine.service import format_sweep, parse_kv_tiers, parse_tiers, profile, prompt_set, sweep_table
     from store import Store
 
     tiers, prompts, policies = parse_tiers(a.tiers), prompt_set(a.prompts, a.per_task), split_policies(a.policies)

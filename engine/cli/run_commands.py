@@ -12,10 +12,7 @@ from typing import Callable
 from engine.base.helpers import csv_list
 from engine.cli.parsing import COMMANDS, JSON_ARG, REPO_ROOT, command, load, open_or_fail, pairs, say
 from engine.decode.policies import DEFAULT_POLICY, POLICY_EXAMPLES
-from engine.service.options import (
-    KV_TIER_ARG,
-    add_model_args,
-)
+from engine.service.options import KV_TIER_ARG, add_model_args
 
 
 # -- generate and the one-off commands -------------------------------------------------------------

@@ -24,12 +24,7 @@ from engine.decode.policies import K_MAX, make_policy
 from engine.decode.records import UNBOUNDED, DraftToken
 from engine.lab.generation import GenConfig, Generation, encode_prompt
 from engine.oracles import PROPOSERS, available, build
-from engine.oracles.model import (
-    DraftModelProposer,
-    TargetVerifier,
-    draft_read,
-    target_reads,
-)
+from engine.oracles.model import DraftModelProposer, TargetVerifier, draft_read, target_reads
 from engine.oracles.sampling import Sampler, warp
 from engine.runtime.forward import crop_to, forward_logits, sync_device
 from engine.runtime.kv.cache import new_cache

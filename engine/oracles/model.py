@@ -15,14 +15,7 @@ from engine.runtime.eagle_head import Rows
 from engine.runtime.forward import crop_to, forward_logits
 from engine.runtime.kv.cache import new_cache
 from engine.runtime.kv.calibration import CodecKit
-from engine.runtime.kv.offload import (
-    Offloaded,
-    SlowTier,
-    Timing,
-    drop,
-    offload,
-    restore,
-)
+from engine.runtime.kv.offload import Offloaded, SlowTier, Timing, drop, offload, restore
 from engine.runtime.models import ModelPair
 from engine.runtime.prefix_cache import Entry, Hit, PrefixCache, fill, kv_of
 

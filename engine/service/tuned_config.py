@@ -15,12 +15,7 @@ from typing import Any, Mapping
 import yaml
 
 from engine.base.names import EMBEDDED, KV_TIERS, WEIGHT_TIERS
-from engine.decode.policies import (
-    DEFAULT_POLICY,
-    NEEDS_CONTEXT,
-    make_policy,
-    parse_policy,
-)
+from engine.decode.policies import DEFAULT_POLICY, NEEDS_CONTEXT, make_policy, parse_policy
 from engine.decode.records import K_MAX
 
 FILE_FORMAT = "speclab-tuned-config/1"  # the "format" key of a SpecLab config file

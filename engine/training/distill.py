@@ -399,13 +399,7 @@ def train(cfg: DistillConfig, draft, data: Path, progress, say=print) -> dict:
 
 def run(cfg: DistillConfig, progress, say=print) -> Path:
     """All stages for `cfg.target`; returns the draft directory."""
-    from engine.runtime.models import (
-        EMBEDDED,
-        EMBEDDED_LABEL,
-        eos_ids_of,
-        load_model,
-        load_tokenizer,
-    )
+    from engine.runtime.models import EMBEDDED, EMBEDDED_LABEL, eos_ids_of, load_model, load_tokenizer
 
     cfg.validate()
     if cfg.threads:

@@ -282,14 +282,7 @@ def train(cfg: EagleDistillConfig, head, seqs, held, progress, say=print) -> dic
 
 def run(cfg: EagleDistillConfig, progress, say=print) -> Path:
     """All stages for `cfg.target`; returns the head directory."""
-    from engine.runtime.models import (
-        EMBEDDED,
-        EMBEDDED_LABEL,
-        _source_path,
-        eos_ids_of,
-        load_model,
-        load_tokenizer,
-    )
+    from engine.runtime.models import EMBEDDED, EMBEDDED_LABEL, _source_path, eos_ids_of, load_model, load_tokenizer
 
     cfg.validate()
     if cfg.threads:

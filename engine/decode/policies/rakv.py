@@ -16,13 +16,7 @@ import numpy as np
 
 from engine.decode.acceptance import candidates, expected_tokens
 from engine.decode.costs import CostTable
-from engine.decode.policies.base import (
-    BasePolicy,
-    catchup_pays,
-    probe_due,
-    probe_pays,
-    reuse_that_pays,
-)
+from engine.decode.policies.base import BasePolicy, catchup_pays, probe_due, probe_pays, reuse_that_pays
 from engine.decode.records import UNBOUNDED, Action, DecodeState
 
 # rakv's prior α0 counts as this many trials beside the EWMA's own: one accepted probe alone

@@ -25,22 +25,8 @@ from engine.decode.acceptance import (
     tokens_from_rate,
 )
 from engine.decode.costs import CostTable
-from engine.decode.policies.base import (
-    PROBE_ALPHA,
-    BasePolicy,
-    catchup_pays,
-    drafted_by,
-    reuse_that_pays,
-)
-from engine.decode.policies.rakv import (
-    PRIORS,
-    acceptance,
-    blended,
-    choose_probe,
-    grid_for,
-    idle,
-    proposers_for,
-)
+from engine.decode.policies.base import PROBE_ALPHA, BasePolicy, catchup_pays, drafted_by, reuse_that_pays
+from engine.decode.policies.rakv import PRIORS, acceptance, blended, choose_probe, grid_for, idle, proposers_for
 from engine.decode.records import Action, DecodeState, StepRecord
 
 # The MLP is fitted on other prompts, and the policy drafts where it predicts the most: on texts
