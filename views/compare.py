@@ -1,12 +1,11 @@
 """Compare: two to four policies on the same prompts, live, one after another (each run takes the
 decode slot), side by side — summary, γ timelines, where the outputs differ — and a what-if tab
-that replays any policies over the stored traces. Glue only: engine/lab/side_by_side.py runs and shapes,
-engine/service/ replays, the store keeps every run."""
+that replays any policies over the stored traces. Glue only: engine/service/runs.py runs,
+engine/lab/side_by_side.py shapes, engine/service/ replays, the store keeps every run."""
 from __future__ import annotations
 
 import os
 import time
-from dataclasses import replace
 
 import pandas as pd
 import plotly.graph_objects as go
@@ -86,7 +85,7 @@ def run_compare(inp: dict) -> dict | None:
         req = C.shared_seed(Request("", chat=inp["chat"], max_new_tokens=inp["max_new_tokens"],
                                     temperature=inp["temperature"], seed=inp["seed"], kv_tier=inp["kv_tier"],
                                     reuse=False, label=label))
-        check(replace(req, prompt=prompts[0]))
+        check(req)  # a bad value fails before any model loads
         pair = get_pair(s, inp["tier"])
         st.session_state[PROPOSERS_KEY] = C.proposers_of(pair)
         with st.spinner("Reading cost tables and controllers (measured once when missing)…"):

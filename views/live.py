@@ -180,8 +180,10 @@ def inputs() -> tuple[bool, dict]:
 
 # -- a generation ----------------------------------------------------------------------------------
 def request_of(inp: dict) -> Request:
-    return Request(inp["prompt"], inp["policy"], inp["chat"], None, inp["max_new_tokens"], inp["temperature"],
-                   inp["top_p"], inp["seed"], inp["kv_tier"], inp["reuse"])
+    """The page's form as a service request (the Live page asks no task)."""
+    return Request(inp["prompt"], inp["policy"], chat=inp["chat"], max_new_tokens=inp["max_new_tokens"],
+                   temperature=inp["temperature"], top_p=inp["top_p"], seed=inp["seed"], kv_tier=inp["kv_tier"],
+                   reuse=inp["reuse"])
 
 
 def _step_row(rec, tokenizer, why: str) -> dict:

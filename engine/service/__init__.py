@@ -28,7 +28,16 @@ from engine.service.kv_actions import (
     tune_kv,
 )
 from engine.service.replays import TRACE_IDENTITY, newest_traces, replay_all, replay_rows, retrain
-from engine.service.runs import latest_live_run, store_run
+from engine.service.runs import (
+    Request,
+    check,
+    generate,
+    keep,
+    latest_live_run,
+    open_generation,
+    run_policies,
+    store_run,
+)
 from engine.service.sweeps import (
     TRACE_POLICIES,
     format_sweep,
@@ -42,6 +51,7 @@ from engine.service.sweeps import (
 )
 
 __all__ = [
+    "Request", "check", "generate", "keep", "open_generation", "run_policies",
     "ALPHA_MIN_STEPS", "MEASURE_KV_MINUTES", "TRACE_IDENTITY", "TRACE_POLICIES", "calibrate_all", "calibrate_costs",
     "context_for", "controller_loader", "cost_key", "cost_table", "format_sweep", "format_tune", "kv_view",
     "latest_kv_measurement", "latest_live_run", "measure_kv", "newest_traces", "parse_kv_tiers", "parse_tiers",

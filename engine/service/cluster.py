@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from engine.base.helpers import one_line
+from engine.service.sweeps import cell_key
 from store import Store
 
 if TYPE_CHECKING:  # lab.profiling imports torch; a Job is plain data
@@ -189,7 +190,7 @@ def records(st: Store, sweep: str) -> dict[tuple, dict]:
     steps = st.steps()
     out: dict[tuple, dict] = {}
     for r in runs.to_dict("records"):
-        key = (r["target_tier"], r["kv_tier"] if isinstance(r["kv_tier"], str) else "native", r["prompt"], r["policy"])
+        key = cell_key(r)
         assert key not in out, f"cell {key} stored twice in sweep {sweep!r}"
         mine = steps[steps["run_id"] == r["run_id"]].to_dict("records")
         out[key] = dict(run=_plain({k: v for k, v in r.items() if k not in NOT_COMPARED["runs"]}),

@@ -334,21 +334,18 @@ class RaySweep:
 
         from engine.decode.costs import CostTable
         from engine.decode.policies import PolicyContext, make_policy
-        from engine.service.cost_tables import ALPHA_MIN_STEPS, controller_loader, stored_costs
+        from engine.service.cost_tables import acceptance_priors, controller_loader, key_of, stored_costs
 
         tier, kv_tier, device = key
-        cost_key = (device, info["target"], info["draft"], tier, info["draft_tier"], kv_tier)
+        cost_key = key_of(device=device, target=info["target"], draft=info["draft"], target_tier=tier,
+                          draft_tier=info["draft_tier"], kv_tier=kv_tier)
         table = stored_costs(self.st, cost_key)
         if table is None or not set(info["proposers"]) <= set(table.proposers):
             self.say(f"measuring costs for {info['target']} at {tier}/{kv_tier} on {device} (once; stored)…")
             rows = ray.get(self.actors[w].costs.remote(tier, kv_tier)).to_pylist()
             self.st.add_costs(rows)
             table = CostTable.from_rows(rows)
-        priors = {}
-        for name in info["proposers"]:
-            hits, n = self.st.first_token_acceptance(*cost_key[:4], kv_tier=kv_tier, proposer=name)
-            if n >= ALPHA_MIN_STEPS:
-                priors[name] = hits / n
+        priors = acceptance_priors(self.st, cost_key, info["proposers"])
         load, pre = controller_loader(self.st), Preloaded()
 
         def record(name: str, version: int | None):

@@ -15,13 +15,18 @@ ALPHA_MIN_STEPS = 32  # drafting steps of stored runs before their acceptance re
 
 
 # -- costs -------------------------------------------------------------------------------------
+def key_of(**fields: str) -> tuple:
+    """A cost table's key from its fields by name, in COST_KEY's order."""
+    assert fields.keys() == set(COST_KEY), sorted(fields)
+    return tuple(fields[k] for k in COST_KEY)
+
+
 def cost_key(pair, kv_tier: str = "native") -> tuple:
-    """What a cost table is measured for, in COST_KEY's order (device, models, tiers, KV tier)."""
+    """What a cost table is measured for: this pair on its device, at its tiers and `kv_tier`."""
     from engine.runtime.models import device_name  # a loaded pair: torch is there already
 
-    of = dict(device=device_name(pair.device), target=pair.target_name, draft=pair.draft_name, target_tier=pair.target_tier,
-              draft_tier=pair.draft_tier, kv_tier=kv_tier)
-    return tuple(of[k] for k in COST_KEY)
+    return key_of(device=device_name(pair.device), target=pair.target_name, draft=pair.draft_name,
+                  target_tier=pair.target_tier, draft_tier=pair.draft_tier, kv_tier=kv_tier)
 
 
 def stored_costs(store: Store, key: tuple) -> CostTable | None:
@@ -84,6 +89,17 @@ def controller_loader(store: Store) -> Callable[[str, int | None], Predictor]:
     return load
 
 
+def acceptance_priors(store: Store, key: tuple, proposers) -> dict[str, float]:
+    """Per proposer, the per-token acceptance of the stored live runs of `key`'s pair, device,
+    tier and KV tier, where they drafted at least ALPHA_MIN_STEPS steps (rakv's prior)."""
+    priors = {}
+    for name in proposers:
+        hits, n = store.first_token_acceptance(*key[:4], kv_tier=key[5], proposer=name)
+        if n >= ALPHA_MIN_STEPS:
+            priors[name] = hits / n
+    return priors
+
+
 def policy_context(store: Store, pair, say: Callable[[str], None] = lambda m: None,
                    kv_tier: str = "native") -> PolicyContext:
     """What `speckv`/`rakv` need on this pair at this KV tier: its cost table, the store's
@@ -91,11 +107,7 @@ def policy_context(store: Store, pair, say: Callable[[str], None] = lambda m: No
     (rakv's prior)."""
     from engine.oracles import available
 
-    priors = {}
-    for name in available(pair):
-        hits, n = store.first_token_acceptance(*cost_key(pair)[:4], kv_tier=kv_tier, proposer=name)
-        if n >= ALPHA_MIN_STEPS:
-            priors[name] = hits / n
+    priors = acceptance_priors(store, cost_key(pair, kv_tier), available(pair))
     return PolicyContext(costs=cost_table(store, pair, say, kv_tier), controller=controller_loader(store),
                          alpha0=priors.get("draft"), priors=priors)
 

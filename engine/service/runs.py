@@ -72,10 +72,11 @@ def open_generation(pair, req: Request, db: str | None = None, context: Any = AU
     its context (`context`, or read from `db` for the policies that weigh costs)."""
     from engine.lab.generation import Generation, encode_prompt
 
-    check(req)
+    parse_policy(req.policy)  # check(req), keeping the config it makes
+    cfg = req.config()
     ctx = context_for(db or "", pair, req.policy, say, req.kv_tier) if context is AUTO else context
     ids = prompt_ids if prompt_ids is not None else encode_prompt(pair.tokenizer, req.prompt, req.chat)
-    return Generation(pair, ids, make_policy(req.policy, ctx), req.config(), prefix)
+    return Generation(pair, ids, make_policy(req.policy, ctx), cfg, prefix)
 
 
 def run_row(gen, req: Request) -> dict[str, Any]:

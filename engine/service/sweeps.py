@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Callable, ContextManager
+from typing import Any, Callable, ContextManager, Mapping
 
 from engine.base.helpers import csv_list
 from engine.base.names import KV_TIERS, WEIGHT_TIERS
@@ -70,11 +70,17 @@ def trace_prompts(st: Store, pair, prompts: list[tuple[str, str]], max_new_token
     return len(todo)
 
 
+def cell_key(run: Mapping[str, Any]) -> tuple[str, str, str, str]:
+    """A stored run's sweep cell, as `profiling.Job.key` names it: (tier, KV tier, prompt, policy);
+    a run stored before KV tiers is native."""
+    kv_tier = run["kv_tier"] if isinstance(run["kv_tier"], str) else "native"
+    return run["target_tier"], kv_tier, run["prompt"], run["policy"]
+
+
 def stored_keys(st: Store, sweep: str) -> set[tuple[str, str, str, str]]:
-    """(tier, KV tier, prompt, policy) of every run stored in the sweep: what a rerun skips,
-    serially or on a cluster (service/cluster_sweep.py)."""
-    return {(r["target_tier"], r["kv_tier"] if isinstance(r["kv_tier"], str) else "native", r["prompt"], r["policy"])
-            for r in st.runs(sweep=sweep).to_dict("records")}
+    """The cells of every run stored in the sweep: what a rerun skips, serially or on a cluster
+    (service/cluster_sweep.py)."""
+    return {cell_key(r) for r in st.runs(sweep=sweep).to_dict("records")}
 
 
 def profile(st: Store, sweep: str, jobs: list, load: Callable[[str], object], max_new_tokens: int,
