@@ -132,7 +132,12 @@ def live(a: argparse.Namespace) -> dict:
                                  st, context=ctx)
             print(f"{tier}: {len(held)} held-out prompts × {len(policies)} policies × {a.repeats} done", file=sys.stderr)
             del pair
-        table = sweep_table(st.runs(sweep=sweep))
+        runs = st.runs(sweep=sweep)
+        table = sweep_table(runs)
+        steps = st.steps()
+        adaptive = [p for p in policies if p.startswith(("rakv", "speckv"))]
+        where = {f"{pol} vs {t['peer_policy']}": where_time_goes(runs[runs.target_tier == tier], steps, pol, t["peer_policy"])
+                 for tier, t in table.items() for pol in adaptive}
     for t in table.values():  # the best fixed γ of each proposer (sweep_table's best_fixed is the best of all)
         fixed = {p: v for p, v in t["tokens_per_s"].items() if p.startswith("fixed:")}
         by: dict[str, str] = {}
@@ -141,8 +146,56 @@ def live(a: argparse.Namespace) -> dict:
             if who not in by or v > fixed[by[who]]:
                 by[who] = p
         t["best_fixed_by_proposer"] = by
-    return dict(db=db, sweep=sweep, controller=report.to_dict(), step_factor=factors, tiers=table,
+    return dict(db=db, sweep=sweep, controller=report.to_dict(), step_factor=factors, tiers=table, where=where,
                 policies=policies, verify=getattr(a, "verify", "auto"))
+
+
+STEP_KINDS = {  # a step's kind, for where an adaptive policy's time goes
+    "plain": lambda s: s.k_drafted == 0,
+    "probe (γ 1, rejected)": lambda s: (s.k_drafted == 1) & (s.accepted == 0),
+    "draft, all rejected": lambda s: (s.k_drafted > 1) & (s.accepted == 0),
+    "draft, some accepted": lambda s: (s.k_drafted > 0) & (s.accepted > 0),
+}
+
+
+def where_time_goes(runs, steps, policy: str, against: str = "ar") -> dict:
+    """Per tier, where `policy`'s time goes against `against` on the same prompts (stored runs and
+    steps of one sweep): each kind of step's tokens and milliseconds, and its excess over what its
+    tokens cost `against` (its ms per token on that prompt), plus the decisions and what the step
+    clock does not see (prefill, bookkeeping). The excesses add up to the policy's total loss."""
+    out = {}
+    for tier, df in runs.groupby("target_tier"):
+        mine, theirs = df[df.policy == policy], df[df.policy == against]
+        rate = (theirs.groupby("prompt").wall_ms.sum() / theirs.groupby("prompt").n_tokens.sum()).to_dict()
+        st = steps[steps.run_id.isin(mine.run_id)].merge(mine[["run_id", "prompt"]], on="run_id")
+        st = st[st.step > 0]
+        st = st.assign(ms=st.draft_ms + st.verify_ms, cost_there=st.emitted * st.prompt.map(rate))
+        rows = {}
+        for kind, pick in STEP_KINDS.items():
+            sel = st[pick(st)]
+            rows[kind] = dict(steps=len(sel), tokens=int(sel.emitted.sum()), ms=float(sel.ms.sum()),
+                              excess_ms=float((sel.ms - sel.cost_there).sum()))
+        rows["decisions"] = dict(steps=len(st), tokens=0, ms=float(st.decide_ms.sum()), excess_ms=float(st.decide_ms.sum()))
+        first = mine.wall_ms.sum() - st.ms.sum() - st.decide_ms.sum()  # prefill and what no step clock sees
+        there = sum(r.n_tokens * rate[r.prompt] for r in mine.itertuples()) - st.cost_there.sum()
+        rows["prefill and the rest"] = dict(steps=len(mine), tokens=int(mine.n_tokens.sum() - st.emitted.sum()),
+                                            ms=float(first), excess_ms=float(first - there))
+        total = float(mine.wall_ms.sum())
+        out[tier] = dict(policy=policy, against=against, total_ms=total, rows=rows,
+                         loss_ms=sum(r["excess_ms"] for r in rows.values()))
+    return out
+
+
+def format_where(where: dict) -> str:
+    lines = []
+    for tier, w in where.items():
+        lines.append(f"{tier}: where {w['policy']}'s {w['total_ms'] / 1e3:.1f} s go against {w['against']} on the same "
+                     f"prompts (excess: ms over what those tokens cost {w['against']}); net {w['loss_ms'] / 1e3:+.1f} s "
+                     f"({w['loss_ms'] / w['total_ms']:+.1%} of its time)")
+        for kind, r in w["rows"].items():
+            lines.append(f"  {kind:24} {r['steps']:6d} steps {r['tokens']:6d} tokens {r['ms'] / 1e3:8.1f} s   "
+                         f"excess {r['excess_ms'] / 1e3:+7.1f} s ({r['excess_ms'] / w['total_ms']:+.1%})")
+    return "\n".join(lines)
 
 
 def live_policies(pair, ks: str, proposers: str | None) -> list[str]:
@@ -195,6 +248,8 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{tier}: best fixed per proposer: " + ", ".join(
                 f"{p} {t['best_fixed_by_proposer'][p]} {t['tokens_per_s'][t['best_fixed_by_proposer'][p]]:.2f} tok/s"
                 for p in t["best_fixed_by_proposer"]))
+        for w in res["where"].values():
+            print(format_where(w))
         print(f"(data in {res['db']}, sweep {res['sweep']})")
     return 0
 

@@ -8,6 +8,7 @@ Prints ratios (> 1: the engine is faster); never asserts an absolute time."""
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import sys
 import time
@@ -18,6 +19,7 @@ from engine.datasets.prompts import bench_prompts
 from engine.lab.generation import encode_prompt
 from engine.runtime.forward import sync_device
 from engine.runtime.models import ModelPair, load_pair
+from engine.runtime.verify_kernels import stock_kernels
 from engine.service.options import add_model_args
 from engine.service.runs import Request, open_generation
 
@@ -25,10 +27,11 @@ from engine.service.runs import Request, open_generation
 def _hf(pair: ModelPair, ids: list[int], max_new: int, assisted: bool) -> list[int]:
     x = torch.tensor([ids], device=pair.device)  # [1, S]
     kw = dict(assistant_model=pair.draft) if assisted else {}
-    out = pair.target.generate(
-        x, attention_mask=torch.ones_like(x), max_new_tokens=max_new, do_sample=False,
-        pad_token_id=pair.tokenizer.pad_token_id or pair.tokenizer.eos_token_id, **kw,
-    )
+    with stock_kernels():  # HF as shipped: its verify reads through torch's own linears
+        out = pair.target.generate(
+            x, attention_mask=torch.ones_like(x), max_new_tokens=max_new, do_sample=False,
+            pad_token_id=pair.tokenizer.pad_token_id or pair.tokenizer.eos_token_id, **kw,
+        )
     return out[0, len(ids):].tolist()
 
 
@@ -91,6 +94,37 @@ def measure(pair: ModelPair, prompts: list[str], max_new: int, reps: int) -> dic
     )
 
 
+VERIFY_ROWS = (1, 2, 3, 4, 5, 7, 9)  # a plain step, then verify reads of γ = 1 … 8
+
+
+def verify_costs(pair: ModelPair, reps: int, context: int = 80) -> dict[int, dict[str, float]]:
+    """Median ms of one target read of `rows` tokens after a `context`-token cache, with the
+    engine's few-row kernels (runtime/verify_kernels.py) and with torch's stock linears,
+    interleaved rep by rep so both see the same machine."""
+    import statistics
+
+    from engine.runtime.forward import crop_to, forward_logits
+
+    ids = list(range(100, 100 + context + max(VERIFY_ROWS)))
+    _, cache = forward_logits(pair.target, ids[:context], None, 1)
+    ms: dict[tuple[int, bool], list[float]] = {}
+    with torch.inference_mode():
+        for _ in range(reps + 1):  # the first round warms caches and oneDNN's reorders
+            for rows in VERIFY_ROWS:
+                for stock in (False, True):
+                    with stock_kernels() if stock else contextlib.nullcontext():
+                        sync_device(pair.device)
+                        t0 = time.perf_counter()
+                        forward_logits(pair.target, ids[context:context + rows], cache, rows)
+                        sync_device(pair.device)
+                        ms.setdefault((rows, stock), []).append((time.perf_counter() - t0) * 1e3)
+                    crop_to(cache, context)
+    med = {key: statistics.median(v[1:]) for key, v in ms.items()}
+    step = med[1, True]  # HF's one-token step: the unit a verify is priced in
+    return {rows: dict(stock_ms=med[rows, True], fast_ms=med[rows, False], stock_vs_step=med[rows, True] / step,
+                       fast_vs_step=med[rows, False] / step) for rows in VERIFY_ROWS}
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="bench decode", description=__doc__.splitlines()[0])
     add_model_args(p)
@@ -105,6 +139,7 @@ def main(argv: list[str] | None = None) -> int:
     pair = load_pair(a.target, a.draft, a.target_tier, a.draft_tier, a.device, a.trust_remote_code)
     prompts = [prompt for _, prompt in bench_prompts(a.prompts_per_task)]
     res = measure(pair, prompts, a.max_new_tokens, a.reps)
+    res["verify_costs"] = verify_costs(pair, max(5, 3 * a.reps))
     res.update(
         target=pair.target_name, draft=pair.draft_name, target_tier=pair.target_tier,
         draft_tier=pair.draft_tier, device=str(pair.device), threads=torch.get_num_threads(),
@@ -119,6 +154,10 @@ def main(argv: list[str] | None = None) -> int:
               f"   ratio {res['ar_vs_hf_generate']:.3f}   identical {res['ar_identical_to_hf']}")
         print(f"  engine fixed:4 {res['fixed4_tok_s']:7.2f} tok/s   HF assisted {res['hf_assisted_tok_s']:7.2f}"
               f"   ratio {res['fixed4_vs_hf_assisted']:.3f}   identical {res['fixed4_identical_to_hf']}")
+        print(f"  target read of k+1 rows, × a one-token step ({pair.fast_verify_linears} linears on few-row kernels)")
+        for rows, c in res["verify_costs"].items():
+            print(f"    {rows} rows: torch {c['stock_ms']:6.1f} ms ({c['stock_vs_step']:.2f}×)   "
+                  f"engine {c['fast_ms']:6.1f} ms ({c['fast_vs_step']:.2f}×)")
     return 0
 
 

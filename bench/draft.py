@@ -49,6 +49,7 @@ from engine.oracles import available
 from engine.runtime.forward import sync_device
 from engine.runtime.kv.cache import new_cache
 from engine.runtime.models import EXACT_VERIFY_TIERS, ModelPair, load_pair
+from engine.runtime.verify_kernels import stock_kernels
 from engine.service.options import add_model_args
 from engine.service.runs import Request, open_generation
 
@@ -227,7 +228,8 @@ def hf_runner(pair: ModelPair, setting: str, assistant: torch.nn.Module | None) 
         kw = kwargs(n)  # binds the assistant's keys before the clock starts
         sync_device(pair.device)
         t0 = time.perf_counter()
-        out = pair.target.generate(x, attention_mask=torch.ones_like(x), pad_token_id=pad, **kw)
+        with stock_kernels():  # HF as shipped: its verify reads through torch's own linears
+            out = pair.target.generate(x, attention_mask=torch.ones_like(x), pad_token_id=pad, **kw)
         sync_device(pair.device)
         return out[0, len(ids):].tolist(), None, time.perf_counter() - t0
     return run

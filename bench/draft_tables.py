@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import statistics
 
+from engine.base.stats import geomean, ratio_ci95
 from engine.lab.divergence import first_difference
 from engine.runtime.models import EXACT_VERIFY_TIERS, ModelPair
 
@@ -17,6 +18,15 @@ def _tok_s(runs: list[dict], idx: list[int]) -> float:
     tokens = sum(runs[i]["tokens"] for i in idx)
     seconds = sum(statistics.median(runs[i]["seconds"]) for i in idx)
     return tokens / seconds if seconds > 0 else 0.0
+
+
+def _per_prompt(runs: list[dict], idx: list[int]) -> tuple[list[int], list[float]]:
+    return [runs[i]["tokens"] for i in idx], [statistics.median(runs[i]["seconds"]) for i in idx]
+
+
+def ci95(a: list[dict], b: list[dict], idx: list[int]) -> tuple[float, float]:
+    """95% bootstrap interval over prompts `idx` of run list a's speed over b's (the same prompts)."""
+    return ratio_ci95(*_per_prompt(a, idx), *_per_prompt(b, idx))
 
 
 def proposer_stats(steps_per_prompt: list[list[tuple]], idx: list[int]) -> dict:
@@ -63,6 +73,7 @@ def setting_table(where: str, tier: str, mode: str, pair: ModelPair, policies: l
         proposers[name] = st
     firsts = {p: [first_difference(hf_ref[i]["output"], runs[p][i]["output"]) for i in every] for p in policies}
     worst_task = min(by_task, key=lambda t: by_task[t][best] / by_task[t]["ar"])
+    peer_runs = runs["ar"] if ar >= fixed[best_fixed] else runs[best_fixed]
     return dict(
         tier=tier, verify=mode if mode != "auto" else ("exact" if pair.exact_verify else "batched"),
         exact_verify=pair.exact_verify, tok_s=tok_s, vs_ar={p: v / ar for p, v in tok_s.items()},
@@ -70,6 +81,10 @@ def setting_table(where: str, tier: str, mode: str, pair: ModelPair, policies: l
         worst_task=worst_task, worst_task_vs_ar=by_task[worst_task][best] / by_task[worst_task]["ar"],
         best_fixed=best_fixed, peer=peer, best_fixed_by_proposer=_best_fixed_by_proposer(fixed),
         adaptive_vs_peer={p: tok_s[p] / peer for p in policies if p.startswith(("rakv", "speckv"))},
+        adaptive_vs_peer_ci95={p: ci95(runs[p], peer_runs, every) for p in policies if p.startswith(("rakv", "speckv"))},
+        vs_ar_ci95={p: ci95(r, runs["ar"], every) for p, r in runs.items()},
+        vs_ar_geomean_tasks={p: geomean(by_task[t][p] / by_task[t]["ar"] for t in by_task) for p in policies},
+        per_prompt={p: _per_prompt(r, every) for p, r in runs.items()},
         proposers=proposers, identical_to_hf_generate={p: sum(f is None for f in fs) / n for p, fs in firsts.items()},
         first_divergence=firsts, costs=info,
     )
@@ -110,12 +125,17 @@ def tier_table(tier: str, settings: dict[str, dict], hf: dict[str, list[dict]], 
         hf_by_task={task: {s: _tok_s(r, [i for i in every if tasks[i] == task]) for s, r in hf.items()}
                     for task in dict.fromkeys(tasks)},
     )
+    best_runs = settings[where]["per_prompt"][best]
+    out.update(best_vs_ar_ci95=settings[where]["vs_ar_ci95"][best],
+               best_vs_ar_geomean_tasks=settings[where]["vs_ar_geomean_tasks"][best])
     if assisted:
         a = max(assisted, key=assisted.get)
-        out.update(hf_assisted_best=a, hf_assisted_best_tok_s=assisted[a], best_vs_hf_assisted=best_tok / assisted[a])
+        out.update(hf_assisted_best=a, hf_assisted_best_tok_s=assisted[a], best_vs_hf_assisted=best_tok / assisted[a],
+                   best_vs_hf_assisted_ci95=ratio_ci95(*best_runs, *_per_prompt(hf[a], every)))
     if lookup:
         lk = max(lookup, key=lookup.get)
-        out.update(hf_lookup_best=lk, hf_lookup_best_tok_s=lookup[lk], best_vs_hf_lookup=best_tok / lookup[lk])
+        out.update(hf_lookup_best=lk, hf_lookup_best_tok_s=lookup[lk], best_vs_hf_lookup=best_tok / lookup[lk],
+                   best_vs_hf_lookup_ci95=ratio_ci95(*best_runs, *_per_prompt(hf[lk], every)))
     return out
 
 
@@ -144,11 +164,29 @@ def headline(res: dict) -> dict:
     out["best_policy_by_tier"] = {t: f"{v['best_policy']} ({v['best_setting']})" for t, v in tiers.items()}
     out["best_vs_ar_fp32"] = tiers["fp32"]["best_vs_ar"] if "fp32" in tiers else None
     out["best_vs_ar_bf16"] = tiers[bf]["best_vs_ar"] if bf else None
+    by_mode = {s["verify"]: s for s in settings.values() if s["tier"] == bf} if bf else {}
+    for mode in ("exact", "fast"):  # the bf16 (or fp16) tier's best policy in each verify mode
+        st = by_mode.get(mode)
+        out[f"best_vs_ar_bf16_{mode}"] = st["best_vs_ar"] if st else None
+        out[f"best_vs_ar_bf16_{mode}_ci95"] = st["vs_ar_ci95"][st["best_policy"]] if st else None
+    fp32 = next((s for s in settings.values() if s["tier"] == "fp32"), None)
+    rakv = next((p for p in fp32["tok_s"] if p.startswith("rakv")), None) if fp32 else None
+    out["rakv_vs_ar_fp32"] = fp32["vs_ar"][rakv] if rakv else None
+    out["rakv_vs_ar_fp32_ci95"] = fp32["vs_ar_ci95"][rakv] if rakv else None
+    out["rakv_vs_ar_fp32_by_task"] = ({t: v[rakv] / v["ar"] for t, v in fp32["by_task"].items()} if rakv else None)
+    out["best_vs_ar_fp32_geomean_tasks"] = tiers["fp32"]["best_vs_ar_geomean_tasks"] if "fp32" in tiers else None
+    out["draft_cost_ratio"] = res.get("draft_cost_ratio")
+    out["ci95"] = {t: dict(best_vs_ar=v["best_vs_ar_ci95"], best_vs_hf_assisted=v.get("best_vs_hf_assisted_ci95"),
+                           best_vs_hf_lookup=v.get("best_vs_hf_lookup_ci95"),
+                           adaptive_vs_peer={p: c for st in settings.values() if st["tier"] == t
+                                             for p, c in st["adaptive_vs_peer_ci95"].items()})
+                   for t, v in tiers.items()}
     out["best_bf16_verify"] = tiers[bf]["best_verify"] if bf else None
     out["best_vs_ar_by_tier"] = {t: v["best_vs_ar"] for t, v in tiers.items()}
     out["best_vs_hf_assisted_by_tier"] = {t: v.get("best_vs_hf_assisted") for t, v in tiers.items()}
     out["best_vs_hf_assisted"] = out["best_vs_hf_assisted_by_tier"][head_tier]
     out["best_vs_hf_lookup_by_tier"] = {t: v.get("best_vs_hf_lookup") for t, v in tiers.items()}
+    out["best_vs_hf_lookup"] = out["best_vs_hf_lookup_by_tier"][head_tier]
     out["worst_task_vs_ar_by_tier"] = {t: v["worst_task_vs_ar"] for t, v in tiers.items()}
     worst_tier = min(tiers, key=lambda t: tiers[t]["worst_task_vs_ar"])
     out["worst_task_vs_ar"] = tiers[worst_tier]["worst_task_vs_ar"]
@@ -172,6 +210,10 @@ def _divergence(s: dict) -> dict:
 
 
 # -- output -------------------------------------------------------------------------------------------
+def _ci(c) -> str:
+    return f"[{c[0]:.3f}, {c[1]:.3f}]" if c else ""
+
+
 def _fmt(x, spec=".3f") -> str:
     return "—" if x is None else format(x, spec)
 
@@ -205,10 +247,13 @@ def format_report(res: dict) -> str:
             for pol, v in sorted(st["tok_s"].items(), key=lambda kv: -kv[1]):
                 rel = f"  {v / hfa:.3f}× HF assisted" if hfa else ""
                 peer = f"  {st['adaptive_vs_peer'][pol]:.3f}× max(ar, best fixed)" if pol in st["adaptive_vs_peer"] else ""
-                lines.append(f"    {pol:18} {v:7.2f} tok/s  {st['vs_ar'][pol]:.3f}× ar{rel}{peer}  identical "
+                lines.append(f"    {pol:18} {v:7.2f} tok/s  {st['vs_ar'][pol]:.3f}× ar {_ci(st['vs_ar_ci95'][pol])}"
+                             f"{rel}{peer} {_ci(st['adaptive_vs_peer_ci95'].get(pol))}  identical "
                              f"{st['identical_to_hf_generate'][pol]:.0%}")
-        lines.append(f"  best: {t['best_policy']} at {t['best_setting']} {t['best_tok_s']:.2f} tok/s = {t['best_vs_ar']:.3f}× ar, "
-                     f"{_fmt(t.get('best_vs_hf_assisted'))}× HF assisted, {_fmt(t.get('best_vs_hf_lookup'))}× HF lookup, "
+        lines.append(f"  best: {t['best_policy']} at {t['best_setting']} {t['best_tok_s']:.2f} tok/s = {t['best_vs_ar']:.3f}× ar "
+                     f"{_ci(t['best_vs_ar_ci95'])} (geo-mean over tasks {t['best_vs_ar_geomean_tasks']:.3f}), "
+                     f"{_fmt(t.get('best_vs_hf_assisted'))}× HF assisted {_ci(t.get('best_vs_hf_assisted_ci95'))}, "
+                     f"{_fmt(t.get('best_vs_hf_lookup'))}× HF lookup {_ci(t.get('best_vs_hf_lookup_ci95'))}, "
                      f"{t['best_vs_hf_generate']:.3f}× HF generate; per task vs ar: "
                      + ", ".join(f"{k} {v:.3f}" for k, v in t["by_task_vs_ar"].items()))
     for w, d in res["fast_verify_divergence"].items():
@@ -221,7 +266,8 @@ def format_report(res: dict) -> str:
             if res["best_vs_ar_bf16"] is not None else "")
     fp32 = f" {_fmt(res['best_vs_ar_fp32'])}× ar at fp32" if res["best_vs_ar_fp32"] is not None else ""
     lines.append(f"headline: τ@4 {_fmt(res['tau_at_4'], '.2f')} ({res['tau_at_4_proposer']}); best {res['best_policy']}"
-                 f"{fp32}{bf16}; {_fmt(res['best_vs_hf_assisted'])}× HF assisted; worst task "
+                 f"{fp32}{bf16}; rakv {_fmt(res['rakv_vs_ar_fp32'])}× ar at fp32 {_ci(res['rakv_vs_ar_fp32_ci95'])}; "
+                 f"{_fmt(res['best_vs_hf_assisted'])}× HF assisted; draft cost ratio {_fmt(res['draft_cost_ratio'])}; worst task "
                  f"{res['worst_task']} {_fmt(res['worst_task_vs_ar'])}× ar")
     return "\n".join(lines)
 

@@ -101,6 +101,13 @@ def test_draft_bench_reports_what_the_issue_asks(tiny_dirs, eagle_tiny, monkeypa
     assert set(d) == {"bf16/fast"} and 0 <= d["bf16/fast"]["identical_fraction"] <= 1
     assert d["bf16/fast"]["runs"] == 4 * (len(res["settings"]["bf16/fast"]["tok_s"]) - 1)
     assert res["speckv"].startswith("speckv not run")
+    for key in ("best_vs_ar_bf16_exact", "best_vs_ar_bf16_fast", "rakv_vs_ar_fp32", "best_vs_hf_lookup", "ci95"):
+        assert res[key] is not None, key
+    for tier, ci in res["ci95"].items():  # bootstrap intervals over the prompts, per tier
+        for lo, hi in [ci["best_vs_ar"], ci["best_vs_hf_assisted"], ci["best_vs_hf_lookup"], *ci["adaptive_vs_peer"].values()]:
+            assert 0 < lo <= hi, tier
+    assert set(res["ci95"]["fp32"]["adaptive_vs_peer"]) == {"rakv"}
+    assert set(res["rakv_vs_ar_fp32_by_task"]) == {"code", "math", "chat", "summarization"}
     assert "headline" in bench_draft.format_report(res)
 
 
@@ -149,6 +156,13 @@ def test_controllers_bench_live_reports_every_policy_per_tier(tiny_dirs, tmp_pat
     assert set(t["best_fixed_by_proposer"]) == {"draft", "ngram"}
     assert res["controller"]["whatif_kind"] == "exact replay"
     assert len(res["step_factor"]["fp32"]) == 9  # costs calibrated on the training prompts' live steps
+    # Where rakv's time goes: the kinds of steps add up to its whole time and to its whole loss.
+    w = res["where"][f"rakv vs {t['peer_policy']}"]["fp32"]
+    assert set(w["rows"]) == set(controllers.STEP_KINDS) | {"decisions", "prefill and the rest"}
+    mine, peer = runs[runs.policy == "rakv"], runs[runs.policy == t["peer_policy"]]
+    rate = (peer.groupby("prompt").wall_ms.sum() / peer.groupby("prompt").n_tokens.sum()).to_dict()
+    assert sum(r["ms"] for r in w["rows"].values()) == pytest.approx(mine.wall_ms.sum())
+    assert w["loss_ms"] == pytest.approx(mine.wall_ms.sum() - sum(r.n_tokens * rate[r.prompt] for r in mine.itertuples()))
 
 
 def test_prefix_bench_compares_reuse_against_recompute_on_every_workload(tiny_pair):

@@ -159,6 +159,30 @@ def test_sweep_table_counts_each_prompt_once_at_its_median_wall_time():
     assert t["best_fixed"] == "fixed:2" and t["peer"] == pytest.approx(150 / 1.360)
     assert t["vs_peer"]["rakv"] == pytest.approx((150 / 1.335) / (150 / 1.360))
     assert t["prompts"] == 2
+    assert t["peer_policy"] == "fixed:2" and t["vs_ar"]["fixed:2"] == pytest.approx(1.420 / 1.360)
+    # Two prompts: the bootstrap draws (a, a), (b, b) or a mix; its ends are the ratio on a alone
+    # and on b alone, which bracket the ratio over both.
+    lo, hi = t["vs_peer_ci95"]["rakv"]
+    assert lo == pytest.approx(905 / 950) and hi == pytest.approx(455 / 385)
+    assert lo < t["vs_peer"]["rakv"] < hi
+
+
+def test_ratio_interval_narrows_with_prompts_and_pairs_them():
+    import numpy as np
+
+    from engine.base.stats import geomean, ratio_ci95, speed_ratio
+
+    rng = np.random.default_rng(1)
+    def interval(n: int) -> tuple[float, float]:
+        ms_b = rng.uniform(500, 5000, n)  # prompts of very different lengths: a pairing cancels them
+        ms_a = ms_b / 1.2 * rng.normal(1.0, 0.05, n)  # A is 1.2× faster, 5% noise per prompt
+        tokens = np.full(n, 100.0)
+        return ratio_ci95(tokens, ms_a, tokens, ms_b)
+    lo8, hi8 = interval(8)
+    lo64, hi64 = interval(64)
+    assert lo64 < 1.2 < hi64 and hi64 - lo64 < hi8 - lo8 and hi64 - lo64 < 0.04
+    assert speed_ratio(np.array([10.0]), np.array([1.0]), np.array([10.0]), np.array([2.0])) == 2.0
+    assert geomean([2.0, 0.5]) == pytest.approx(1.0)
 
 
 def test_trace_examples_label_every_gamma_after_every_walked_step():

@@ -544,3 +544,26 @@ def test_replay_matches_the_live_run_choosing_among_proposers(tiny_pair, traced_
     assert "ngram" in seen  # the lookup drafted somewhere
     if spec.startswith("rakv@") or spec.startswith("fixed"):
         assert seen == {"ngram"}
+
+
+@pytest.mark.parametrize("spec", ["rakv:0.95@draft", "speckv@draft"])
+def test_a_proposer_that_keeps_losing_is_retired_with_a_why(spec):
+    """A draft that is never right, under a policy that hopes it is (rakv with α0 0.95): its drafts'
+    loss stays bounded by RETIRE_STEPS plain steps (plus the one draft that crossed it), then it is
+    not tried again in the run, and the policy says why."""
+    from engine.decode.policies.rakv import MIN_DRAFTS, RETIRE_STEPS
+    from engine.decode.step import Setting, decode
+
+    prompt, out = [1, 2, 3, 4], list(range(100, 300))  # nothing repeats: no n-gram match either
+    pol = make_policy(spec, _ctx(_ProposerCosts()))
+    steps = list(decode({"draft": _Wrong(prompt)}, _Text(out), pol, Setting(len(prompt), len(out), "fp32", "native"),
+                        lambda: 0.0))
+    assert [t for r in steps for t in r.token_ids] == out
+    costs = pol.costs
+    drafted = [r for r in steps if r.k_drafted]
+    lost = [costs.step_ms(r.k_drafted, r.context_len, "draft") - r.emitted * costs.step_ms(0, r.context_len)
+            for r in drafted]
+    bound = RETIRE_STEPS * costs.step_ms(0, 10)
+    crossed = next(i for i in range(len(lost)) if i + 1 >= MIN_DRAFTS and sum(lost[: i + 1]) > bound)
+    assert crossed == len(drafted) - 1  # the draft that crossed the bound was the last one
+    assert "draft retired: its drafts lost" in pol.why

@@ -6,6 +6,7 @@ from typing import Any, Callable, ContextManager, Mapping
 
 from engine.base.helpers import csv_list
 from engine.base.names import KV_TIERS, WEIGHT_TIERS
+from engine.base.stats import ratio_ci95
 from engine.decode.policies import NEEDS_CONTEXT, parse_policy, split_spec
 from engine.lab.whatif import tier_label
 from engine.service.cost_tables import policy_context
@@ -133,11 +134,22 @@ def sweep_table(runs) -> dict:
         fixed = {p: v for p, v in tps.items() if p.startswith("fixed:")}
         best_fixed = max(fixed, key=fixed.get) if fixed else None
         peer = max([tps.get("ar", 0.0)] + ([fixed[best_fixed]] if best_fixed else []))
+        peer_policy = best_fixed if best_fixed and fixed[best_fixed] >= tps.get("ar", 0.0) else "ar"
         gamma = int(split_spec(best_fixed)[0].split(":")[1]) if best_fixed else None  # `fixed:4@ngram`: 4
-        out[tier] = dict(tokens_per_s=tps, best_fixed=best_fixed, best_gamma=gamma,
-                         peer=peer, vs_peer={p: v / peer for p, v in tps.items() if not p.startswith("fixed:") and p != "ar"},
+        adaptive = [p for p in tps if not p.startswith("fixed:") and p != "ar"]
+        out[tier] = dict(tokens_per_s=tps, best_fixed=best_fixed, best_gamma=gamma, peer=peer, peer_policy=peer_policy,
+                         vs_peer={p: tps[p] / peer for p in adaptive},
+                         vs_peer_ci95={p: _ci(per_prompt, p, peer_policy) for p in adaptive if peer_policy in tps},
+                         vs_ar={p: tps[p] / tps["ar"] for p in tps if "ar" in tps},
+                         vs_ar_ci95={p: _ci(per_prompt, p, "ar") for p in tps if "ar" in tps},
                          prompts=int(df["prompt"].nunique()))
     return out
+
+
+def _ci(per_prompt, a: str, b: str) -> tuple[float, float]:
+    """95% bootstrap interval (over the prompts both ran) of policy a's speed over policy b's."""
+    both = per_prompt.loc[a].merge(per_prompt.loc[b], left_index=True, right_index=True, suffixes=("_a", "_b"))
+    return ratio_ci95(both["n_tokens_a"], both["wall_ms_a"], both["n_tokens_b"], both["wall_ms_b"])
 
 
 def format_sweep(table: dict) -> str:
@@ -145,6 +157,12 @@ def format_sweep(table: dict) -> str:
     for tier, t in table.items():
         lines.append(f"{tier}: {t['prompts']} prompts; best fixed γ = {t['best_gamma']}; peer max(ar, best fixed) = {t['peer']:.2f} tok/s")
         for pol, v in sorted(t["tokens_per_s"].items(), key=lambda kv: -kv[1]):
-            rel = f"  {t['vs_peer'][pol]:.3f}× peer" if pol in t["vs_peer"] else ""
+            rel = f"  {t['vs_ar'][pol]:.3f}× ar {_interval(t['vs_ar_ci95'].get(pol))}" if pol in t.get("vs_ar", {}) else ""
+            if pol in t["vs_peer"]:
+                rel += f"  {t['vs_peer'][pol]:.3f}× peer {_interval(t.get('vs_peer_ci95', {}).get(pol))}"
             lines.append(f"  {pol:14} {v:7.2f} tok/s{rel}")
     return "\n".join(lines)
+
+
+def _interval(ci) -> str:
+    return f"[{ci[0]:.3f}, {ci[1]:.3f}]" if ci else ""

@@ -36,12 +36,48 @@ PRIORS = {"ngram": 0.5, "eagle": ALPHA0}
 
 def proposers_for(policy, state: DecodeState) -> tuple[str, ...]:
     """The run's proposers this policy may draft with (its spec's `@proposer` restricts them),
-    less those that can propose nothing now (an n-gram proposer without a match) and those its
-    cost table does not price (`unpriced`), in the run's order."""
+    less those that can propose nothing now (an n-gram proposer without a match), those its
+    cost table does not price (`unpriced`) and those retired for losing (`retired`), in the
+    run's order."""
     allowed = getattr(policy, "proposers", None)
     missing = unpriced(policy.costs, state)
-    names = tuple(p for p in state.proposers if (allowed is None or p in allowed) and p not in missing)
+    out = retired(policy, state)
+    names = tuple(p for p in state.proposers if (allowed is None or p in allowed) and p not in missing and p not in out)
     return tuple(p for p in names if _lookahead(state, p) > 0)
+
+
+# A proposer whose drafts have cost this run more than RETIRE_STEPS plain steps beyond what they
+# saved (in the cost table's time, so replay retires it at the same step) is not tried again in
+# the run: whatever the policy's hopes, its losses stay bounded (~2% of a 100-token run). Only
+# after MIN_DRAFTS drafts: one unlucky γ-4 miss alone costs about a plain step.
+RETIRE_STEPS = 2.0
+MIN_DRAFTS = 4
+
+
+def retired(policy, state: DecodeState) -> dict[str, float]:
+    """Proposer → ms its drafts lost this run, for those retired (see RETIRE_STEPS). The ledger
+    is kept on the policy and extended by the steps recorded since (O(1) a step)."""
+    costs = getattr(policy, "costs", None)
+    if costs is None:
+        return {}
+    seen, ledger = getattr(policy, "_ledger", (0, {}))
+    if seen > len(state.history):  # a new run
+        seen, ledger = 0, {}
+    missing = unpriced(costs, state)
+    for r in state.history[max(seen, 1):]:
+        if r.k_drafted and r.proposer and r.proposer not in missing:
+            saved = r.emitted * costs.step_ms(0, r.context_len) - costs.step_ms(r.k_drafted, r.context_len, r.proposer)
+            n, total = ledger.get(r.proposer, (0, 0.0))
+            ledger[r.proposer] = (n + 1, total + saved)
+    policy._ledger = (len(state.history), ledger)
+    bound = RETIRE_STEPS * costs.step_ms(0, state.context_len)
+    return {p: -total for p, (n, total) in ledger.items() if n >= MIN_DRAFTS and total < -bound}
+
+
+def retired_why(policy, state: DecodeState) -> str:
+    """The retirements, for a choice's `why` ("" when none)."""
+    out = retired(policy, state)
+    return "; ".join(f"{p} retired: its drafts lost {ms:.0f} ms this run" for p, ms in out.items())
 
 
 def unpriced(costs: CostTable, state: DecodeState) -> tuple[str, ...]:
@@ -106,6 +142,11 @@ def idle(state: DecodeState) -> str:
     return state.proposers[0]
 
 
+def and_also(text: str) -> str:
+    """`text` as one more clause of a `why` ("" stays "")."""
+    return f"; {text}" if text else ""
+
+
 class RakvPolicy(BasePolicy):
     def __init__(self, costs: CostTable, alpha0: float = ALPHA0, name: str | None = None,
                  priors: Mapping[str, float] | None = None, proposers: tuple[str, ...] | None = None) -> None:
@@ -146,7 +187,7 @@ class RakvPolicy(BasePolicy):
         winner = ranked[0]
         k, ms = best[winner]
         self.why = (f"{winner} γ {k}: α ≈ {alphas[winner]:.2f}, {ms:.1f} ms/token vs {plain_ms:.1f} plain"
-                    + (f" ({'; '.join(skipped)})" if skipped else ""))
+                    + (f" ({'; '.join(skipped)})" if skipped else "") + and_also(retired_why(self, state)))
         return Action(k=k, proposer=winner)
 
     def _best(self, state: DecodeState, proposer: str, alpha: float) -> tuple[int, float]:
@@ -169,10 +210,10 @@ class RakvPolicy(BasePolicy):
         missing = unpriced(self.costs, state)
         return ("plain: " + (f"α ≈ {seen}: " if seen else "") + f"no γ beats plain decoding ({plain_ms:.1f} ms/token)"
                 + (f"; {', '.join(blind)}: nothing to propose" if blind else "")
-                + (f"; {', '.join(missing)}: no costs measured" if missing else ""))
+                + (f"; {', '.join(missing)}: no costs measured" if missing else "") + and_also(retired_why(self, state)))
 
     def reset(self) -> None:
-        self._last = {}
+        self._last, self._ledger = {}, (0, {})
 
     def take_reuse(self, offered: int, n_prompt: int) -> int:
         return reuse_that_pays(self.costs, offered, n_prompt)

@@ -26,7 +26,17 @@ from engine.decode.acceptance import (
 )
 from engine.decode.costs import CostTable
 from engine.decode.policies.base import PROBE_ALPHA, BasePolicy, catchup_pays, drafted_by, reuse_that_pays
-from engine.decode.policies.rakv import PRIORS, acceptance, blended, choose_probe, grid_for, idle, proposers_for
+from engine.decode.policies.rakv import (
+    PRIORS,
+    acceptance,
+    and_also,
+    blended,
+    choose_probe,
+    grid_for,
+    idle,
+    proposers_for,
+    retired_why,
+)
 from engine.decode.records import Action, DecodeState, StepRecord
 
 # The MLP is fitted on other prompts, and the policy drafts where it predicts the most: on texts
@@ -78,13 +88,14 @@ class SpeckvPolicy(BasePolicy):
         plain_ms = self.costs.step_ms(0, state.context_len)
         if not ranked:
             self.last_expected, self._rate = 1.0, None
-            self.why = f"plain: {'; '.join(skipped)}" if skipped else "plain: predicted acceptance too low"
+            self.why = (f"plain: {'; '.join(skipped)}" if skipped else "plain: predicted acceptance too low") + and_also(
+                retired_why(self, state))
             return Action(k=0, proposer=idle(state))
         winner = ranked[0]
         k, e, ms, self._rate = best[winner]
         self.last_expected = e
         self.why = (f"{winner} γ {k}: predicted {e:.2f} tokens/step, {ms / e:.1f} ms/token vs {plain_ms:.1f} plain"
-                    + (f" ({'; '.join(skipped)})" if skipped else ""))
+                    + (f" ({'; '.join(skipped)})" if skipped else "") + and_also(retired_why(self, state)))
         return Action(k=k, proposer=winner)
 
     def observe(self, record: StepRecord) -> None:
@@ -94,7 +105,7 @@ class SpeckvPolicy(BasePolicy):
             self._feedback[1] += self._rate * record.k_drafted
 
     def reset(self) -> None:
-        self._last, self._feedback, self._rate = {}, [0.0, 0.0], None
+        self._last, self._feedback, self._rate, self._ledger = {}, [0.0, 0.0], None, (0, {})
 
     def take_reuse(self, offered: int, n_prompt: int) -> int:
         return reuse_that_pays(self.costs, offered, n_prompt) if self.costs else offered
