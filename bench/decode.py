@@ -103,6 +103,7 @@ def verify_costs(pair: ModelPair, reps: int, context: int = 80) -> dict[int, dic
     interleaved rep by rep so both see the same machine."""
     import statistics
 
+    from engine.runtime import invariance
     from engine.runtime.forward import crop_to, forward_logits
 
     ids = list(range(100, 100 + context + max(VERIFY_ROWS)))
@@ -112,7 +113,9 @@ def verify_costs(pair: ModelPair, reps: int, context: int = 80) -> dict[int, dic
         for _ in range(reps + 1):  # the first round warms caches and oneDNN's reorders
             for rows in VERIFY_ROWS:
                 for stock in (False, True):
-                    with stock_kernels() if stock else contextlib.nullcontext():
+                    # as the verifier reads: batch-invariant at an exact tier (runtime/invariance.py)
+                    with stock_kernels() if stock else contextlib.nullcontext(), \
+                            invariance.verifying() if pair.exact_verify else contextlib.nullcontext():
                         sync_device(pair.device)
                         t0 = time.perf_counter()
                         forward_logits(pair.target, ids[context:context + rows], cache, rows)
