@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import random
+import re
 from functools import lru_cache
 
 from engine.base.names import DATA_DIR
@@ -57,10 +58,48 @@ def _heldout() -> dict[str, list[str]]:
 
 
 def heldout(per_task: int | None = None) -> list[tuple[str, str]]:
-    """(task, prompt) pairs from the held-out file, tasks interleaved."""
+    """(task, prompt) pairs, tasks interleaved: the held-out file's (10 a task), then, for a
+    `per_task` beyond them, real prompts never trained on (`real_heldout`)."""
     data = _heldout()
     n = per_task or max(len(v) for v in data.values())
+    if n > min(len(v) for v in data.values()):
+        real = real_heldout(n)
+        data = {t: data[t] + [p for p in real[t] if p not in data[t]] for t in TASKS}
     return [(t, data[t][i]) for i in range(n) for t in TASKS if i < len(data[t])]
+
+
+# The EAGLE head's ShareGPT sample is drawn from the first 3 × 600 conversations of two turns or
+# more (training/eagle_distill.py); real held-out prompts come from past them.
+SHAREGPT_TRAINED = 1800
+_CODE_WORDS = re.compile(r"```|\bdef |\bfunction\b|\bcode\b|\bscript\b|\bclass\b|\bSQL\b|\bpython\b", re.I)
+_MATH_WORDS = re.compile(r"^(?!.*(https?:|www\.)).*(\b\d+(\.\d+)?\s?[+*×^=]\s?\d+(\.\d+)?\b(?![-/.]\d)|"
+                         r"\b(solve|calculate|compute|integral|derivative|how (much|many))\b.*\d)", re.I | re.S)
+_SUMMARY_WORDS = re.compile(r"\bsummar(y|ise|ize|ization)\b|\btl;?dr\b", re.I)
+REAL_CHARS = {"code": (0, 1500), "math": (20, 400), "chat": (20, 400), "summarization": (200, 1500)}
+
+
+@lru_cache(maxsize=4)
+def real_heldout(per_task: int) -> dict[str, list[str]]:
+    """Up to `per_task` real prompts a task that nothing in the repository trains on: HumanEval's
+    problems (code), and the opening user turns of ShareGPT V3 conversations past the EAGLE
+    head's sample, sorted by a keyword rule into math, summarization and chat (plain ASCII
+    prose, lengths in REAL_CHARS), in the data's order."""
+    from engine.datasets.humaneval import problems
+    from engine.datasets.sharegpt import conversations
+
+    out: dict[str, list[str]] = {t: [] for t in TASKS}
+    out["code"] = [f"Complete this Python function.\n\n{p['prompt'].strip()}" for p in problems()[:per_task]]
+    for i, msgs in enumerate(conversations(min_turns=2)):
+        if all(len(v) >= per_task for v in out.values()):
+            break
+        text = msgs[0]["content"].strip()
+        if i < SHAREGPT_TRAINED or not text.isascii() or _CODE_WORDS.search(text):
+            continue
+        task = "summarization" if _SUMMARY_WORDS.search(text) else "math" if _MATH_WORDS.search(text) else "chat"
+        lo, hi = REAL_CHARS[task]
+        if lo <= len(text) <= hi and len(out[task]) < per_task and text not in out[task]:
+            out[task].append(text)
+    return out
 
 
 # -- templates for training prompts ------------------------------------------------------------
