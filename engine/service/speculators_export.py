@@ -124,15 +124,19 @@ def draft_token_ids(tensors: dict[str, "torch.Tensor"], vocab_size: int) -> "tor
 
 
 # -- the target -------------------------------------------------------------------------------------
+def _embedded(target: str | None) -> bool:
+    return target in (None, "", EMBEDDED)
+
+
 def _source(target: str | None) -> str:
     """Where the target's files are: the embedded model's converted copy, else its id or path."""
     from engine.runtime.models import embedded_dir
 
-    return str(embedded_dir()) if target in (None, "", EMBEDDED) else target
+    return str(embedded_dir()) if _embedded(target) else target
 
 
 def _target_name(target: str | None) -> str:
-    return EMBEDDED_LABEL if target in (None, "", EMBEDDED) else target
+    return EMBEDDED_LABEL if _embedded(target) else target
 
 
 def target_embedding(target: str | None) -> "torch.Tensor":
@@ -175,8 +179,7 @@ def _draft_dir(target: str | None, draft: str | None) -> Path | None:
     from engine.runtime import draft_model as draftlib
 
     if draft in (None, ""):
-        shipped = target in (None, "", EMBEDDED) and draftlib.is_draft_dir(SHIPPED_DRAFT)
-        return SHIPPED_DRAFT if shipped else None
+        return SHIPPED_DRAFT if _embedded(target) and draftlib.is_draft_dir(SHIPPED_DRAFT) else None
     if not draftlib.is_draft_dir(draft):
         raise ValueError(f"{draft} is not a SpecLab draft (no {draftlib.MARKER}): vLLM loads a Hugging Face draft "
                          "as it is (method draft_model)")
@@ -189,7 +192,7 @@ def _eagle_dir(target: str | None, eagle: str | None) -> Path | None:
     if eagle == "off":
         return None
     if eagle in (None, ""):
-        return SHIPPED_EAGLE if target in (None, "", EMBEDDED) and eaglelib.is_head_dir(SHIPPED_EAGLE) else None
+        return SHIPPED_EAGLE if _embedded(target) and eaglelib.is_head_dir(SHIPPED_EAGLE) else None
     if not eaglelib.is_head_dir(eagle):
         raise ValueError(f"{eagle!r} is not an EAGLE head directory (no {eaglelib.MARKER})")
     return Path(eagle)
@@ -208,7 +211,9 @@ def _config(kind: str, architectures: list[str], layers: dict[str, Any], draft_v
 
 
 def _provenance(path: Path, meta: dict) -> dict[str, Any]:
-    return {"source": str(path), "target": meta.get("target"), "target_fingerprint": meta["target_fingerprint"]}
+    root = DATA_DIR.parents[1]  # a shipped draft or head is named relative to the repository
+    source = path.resolve().relative_to(root).as_posix() if path.resolve().is_relative_to(root) else str(path)
+    return {"source": source, "target": meta.get("target"), "target_fingerprint": meta["target_fingerprint"]}
 
 
 def _eagle_part(path: Path, embedding: "torch.Tensor", verifier: dict, tokens: int, target: str | None):
