@@ -116,9 +116,15 @@ def _apply_config(a: argparse.Namespace, cfg) -> None:
 
 
 @command("export", "export a tuned configuration: SpecLab JSON/YAML (`generate --config` reads it), Hugging Face "
-         "generate kwargs or a vLLM speculative_config; stored with a version per name",
+         "generate kwargs or a vLLM speculative_config; stored with a version per name. --speculators writes the "
+         "draft and the EAGLE head as speculators directories instead",
          ("--config", dict(default=None, help="a SpecLab config to start from; flags set to other than their "
                            "defaults override it")),
+         ("--speculators", dict(default=None, metavar="DIR", help="write the SpecLab draft (--draft, default the "
+                                "shipped one) and EAGLE head (--eagle) for --target as speculators directories "
+                                "DIR/draft and DIR/eagle, drafting the policy's γ; nothing is stored")),
+         ("--check-speculators", dict(default=None, metavar="DIR", help="check a speculators directory against the "
+                                      "pinned speculators release and --target, and say what it holds")),
          ("--format", dict(default="json", choices=("json", "yaml", "hf", "vllm"))),
          ("--out", dict(default=None, help="write the export to this file instead of printing it")),
          ("--name", dict(default=None, help="the stored export's name (default: target-policy)")),
@@ -139,6 +145,8 @@ def cmd_export(a: argparse.Namespace) -> int:
     from engine.service.tuned_config import default_name
 
     cfg = _tuned(a, "export")
+    if a.speculators or a.check_speculators:
+        return _speculators(a, cfg)
     name = (a.name or "").strip() or default_name(cfg)
     if a.db:
         name, version, text = save_export(a.db, cfg, a.format, name)
@@ -153,6 +161,22 @@ def cmd_export(a: argparse.Namespace) -> int:
         say(f"wrote {a.format} export {name} to {a.out}")
     else:
         print(text, end="")
+    return 0
+
+
+def _speculators(a: argparse.Namespace, cfg) -> int:
+    """`export --speculators DIR` (each written directory checked as it would be read back) and
+    `export --check-speculators DIR`: one line per directory."""
+    from engine.service.export import speculative_tokens
+    from engine.service.speculators_export import check_speculators_dir, export_speculators, summary
+
+    target = None if cfg.target == "embedded" else cfg.target
+    if a.speculators:
+        dirs = export_speculators(a.speculators, target, cfg.draft, a.eagle, speculative_tokens(cfg))
+    else:
+        dirs = [Path(a.check_speculators)]
+    for path in dirs:
+        print(summary(path, check_speculators_dir(path, target)))
     return 0
 
 

@@ -114,7 +114,8 @@ def save_draft(draft: torch.nn.Module, out: Path, meta: dict) -> None:
     (out / MARKER).write_text(json.dumps(meta, indent=2) + "\n")
 
 
-def _dequantize(state: dict[str, torch.Tensor], dtype: torch.dtype) -> dict[str, torch.Tensor]:
+def dequantize(state: dict[str, torch.Tensor], dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """A stored draft's tensors at `dtype`: int8 matrices times their row scales (save_draft)."""
     out = {}
     for k, v in state.items():
         if k.endswith(SCALE):
@@ -139,7 +140,7 @@ def load_draft(path: str | Path, embedding: torch.Tensor, device: torch.device,
         )
     cfg = AutoConfig.from_pretrained(path)
     draft = AutoModelForCausalLM.from_config(cfg, dtype=dtype, attn_implementation=invariance.register())
-    state = _dequantize(load_file(str(path / WEIGHTS)), dtype)
+    state = dequantize(load_file(str(path / WEIGHTS)), dtype)
     missing = set(own_state(draft)) - set(state)
     if missing:
         raise ValueError(f"draft {path} is incomplete: {len(missing)} tensors missing (e.g. {min(missing)})")

@@ -3,7 +3,8 @@ assisted-generation keyword arguments and as a vLLM `speculative_config`, beside
 JSON/YAML; `render` gives any of the formats as text.
 
 Torch-free at import. The vLLM field names are the ones of `SpeculativeConfig` at a pinned release,
-extracted once into engine/data/vllm_speculative_config_fields.json; the export uses no other name."""
+read from its wheel into engine/data/vllm_speculative_config_fields.json (service/pinned_fields.py);
+the export uses no other name. The draft and the EAGLE head themselves: service/speculators_export.py."""
 from __future__ import annotations
 
 import json
@@ -12,13 +13,15 @@ from typing import Any
 
 from engine.base.names import DATA_DIR, EMBEDDED
 from engine.base.names import SHIPPED_DRAFT as SHIPPED_DRAFT_PATH
-from engine.decode.policies import parse_policy
+from engine.base.names import SHIPPED_EAGLE as SHIPPED_EAGLE_PATH
+from engine.decode.policies import parse_policy, split_spec
 from engine.service.runs import file_missing
 from engine.service.tuned_config import FIXED, PLAIN, TunedConfig, to_json, to_yaml
 from store import Store
 
 # The embedded target's shipped SpecLab draft as exports name it: relative to the repository.
 SHIPPED_DRAFT = SHIPPED_DRAFT_PATH.relative_to(DATA_DIR.parents[1]).as_posix()
+SHIPPED_EAGLE = SHIPPED_EAGLE_PATH.relative_to(DATA_DIR.parents[1]).as_posix()
 FORMATS = ("json", "yaml", "hf", "vllm")
 VLLM_FIELDS_FILE = DATA_DIR / "vllm_speculative_config_fields.json"
 # HF's own starting confidence threshold for dynamic speculation (GenerationConfig's default).
@@ -94,18 +97,63 @@ def vllm_fields() -> dict[str, Any]:
     return json.loads(VLLM_FIELDS_FILE.read_text())
 
 
-def vllm_speculative_config(cfg: TunedConfig) -> dict[str, Any] | None:
-    """vLLM's `speculative_config` (`LLM(..., speculative_config=...)`, `--speculative-config`)
-    for the pinned release; None for policies that never draft. vLLM drafts a fixed number of
-    tokens per step: fixed/joint:k give k, every adaptive policy its γ cap (gamma_max)."""
+def speculative_tokens(cfg: TunedConfig) -> int:
+    """Tokens drafted per step where an engine drafts a fixed number: fixed/joint:k give k, every
+    adaptive policy its γ cap (gamma_max)."""
     name, arg = parse_policy(cfg.policy)
     if name in PLAIN:
-        return None
-    k = int(arg or 4) if name in FIXED else cfg.gamma_max
-    out: dict[str, Any] = {"method": "draft_model", "model": draft_source(cfg), "num_speculative_tokens": k}
+        raise ValueError(f"policy {cfg.policy} never drafts: name a drafting policy (fixed:4, rakv, …)")
+    return int(arg or 4) if name in FIXED else cfg.gamma_max
+
+
+def vllm_proposer(cfg: TunedConfig) -> str:
+    """The proposer vLLM drafts with: vLLM runs one method per engine, so the first one the policy
+    spec names after '@', else the draft model."""
+    _, names, _ = split_spec(cfg.policy)
+    return names[0] if names else "draft"
+
+
+# NgramProposer's defaults (engine/oracles/ngram.py, torch-bound: tests/test_export.py checks them);
+# vLLM's own are 5 and 5.
+NGRAM_DEFAULTS = {"max": 3, "min": 1}
+
+
+def _vllm_draft(cfg: TunedConfig, options: dict[str, str]) -> dict[str, Any]:
+    out: dict[str, Any] = {"method": "draft_model", "model": draft_source(cfg)}
     tier = cfg.draft_tier or (None if cfg.draft is not None or cfg.target == EMBEDDED else "nf4")
     if tier in ("int8", "nf4"):  # bitsandbytes tiers; vLLM quantizes a draft the same way in flight
         out["quantization"] = "bitsandbytes"
+    return out
+
+
+def _vllm_eagle(cfg: TunedConfig, options: dict[str, str]) -> dict[str, Any]:
+    if cfg.target != EMBEDDED:  # no head is known for it: the draft model stands in (notes says so)
+        return _vllm_draft(cfg, {})
+    return {"method": "eagle", "model": SHIPPED_EAGLE}
+
+
+def _vllm_ngram(cfg: TunedConfig, options: dict[str, str]) -> dict[str, Any]:
+    o = {**NGRAM_DEFAULTS, **{k: int(v) for k, v in options.items()}}
+    return {"method": "ngram", "prompt_lookup_max": o["max"], "prompt_lookup_min": o["min"]}
+
+
+def _vllm_suffix(cfg: TunedConfig, options: dict[str, str]) -> dict[str, Any]:
+    return {"method": "suffix"}  # vLLM's GPU suffix speculator: its tree and corpus sizes are its own
+
+
+# SpecLab proposer → its vLLM speculative_config (method and the fields its options map to).
+VLLM_PROPOSERS = {"draft": _vllm_draft, "eagle": _vllm_eagle, "ngram": _vllm_ngram, "suffix": _vllm_suffix}
+
+
+def vllm_speculative_config(cfg: TunedConfig) -> dict[str, Any] | None:
+    """vLLM's `speculative_config` (`LLM(..., speculative_config=...)`, `--speculative-config`)
+    for the pinned release; None for policies that never draft. vLLM drafts a fixed number of
+    tokens per step (`speculative_tokens`) with one proposer (`vllm_proposer`)."""
+    if cfg.policy_name in PLAIN:
+        return None
+    proposer = vllm_proposer(cfg)
+    out = VLLM_PROPOSERS[proposer](cfg, split_spec(cfg.policy)[2].get(proposer, {}))
+    out["num_speculative_tokens"] = speculative_tokens(cfg)
     known = set(vllm_fields()["fields"]) - set(vllm_fields()["engine_set_fields"])
     assert set(out) <= known and out["method"] in vllm_fields()["methods"], out
     return out
@@ -121,6 +169,7 @@ def notes(cfg: TunedConfig) -> list[str]:
                    f"γ = {cfg.gamma_max}, vLLM a fixed γ = {cfg.gamma_max}")
     if name in ("heuristic", "threshold"):
         out.append(f"vLLM drafts a fixed γ: {name} becomes γ = {cfg.gamma_max}")
+    out += _proposer_notes(cfg)
     if cfg.draft is None and cfg.target == EMBEDDED:
         out.append(f"the embedded draft ({SHIPPED_DRAFT}) is a SpecLab draft sharing the target's embedding: "
                    "load it with engine.runtime.models.load_pair; vLLM cannot load it as a checkpoint")
@@ -133,6 +182,23 @@ def notes(cfg: TunedConfig) -> list[str]:
         out.append(f"prefix reuse ({cfg.prefix_budget_mib:g} MiB) is SpecLab's; vLLM has enable_prefix_caching")
     if cfg.seed is not None:
         out.append("HF takes no seed argument: call torch.manual_seed before generate")
+    return out
+
+
+def _proposer_notes(cfg: TunedConfig) -> list[str]:
+    """What vLLM's one proposer drops of the policy's, and a SpecLab head it cannot load."""
+    if cfg.policy_name in PLAIN:
+        return []
+    _, names, _ = split_spec(cfg.policy)
+    used, out = vllm_proposer(cfg), []
+    if names and len(names) > 1:
+        out.append(f"vLLM drafts with one proposer: {used} (the policy also chooses {', '.join(names[1:])})")
+    if used == "eagle" and cfg.target != EMBEDDED:
+        out.append(f"no EAGLE head is known for {cfg.target}: vLLM gets the draft model instead")
+    elif used == "eagle":
+        out.append(f"the EAGLE head ({SHIPPED_EAGLE}) has SpecLab's layout (normed fusion, output norm), not "
+                   "vLLM's EAGLE-1 or EAGLE-3: vLLM cannot load it; `export --speculators` writes it as a "
+                   "speculators directory")
     return out
 
 
