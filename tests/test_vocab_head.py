@@ -7,7 +7,6 @@ import dataclasses
 import pytest
 import torch
 from test_speculative import PROMPTS, _chi2_pvalue, _gen, _hf_greedy
-from tiny import CHARS
 
 from engine.decode.policies import parse_proposers
 from engine.lab.generation import encode_prompt
@@ -15,6 +14,7 @@ from engine.oracles.model import DraftModelProposer, TargetVerifier, draft_read
 from engine.oracles.sampling import Sampler, warp
 from engine.runtime import vocab_head
 from engine.runtime.forward import forward_logits
+from tiny import CHARS
 
 
 def _always(i, d) -> bool:
