@@ -153,3 +153,13 @@ def test_sampling_with_a_small_head_follows_the_target_law(tiny_pair):
         proposer.rewind(len(ids), [first])
     assert 0 < accepted < N
     assert _chi2_pvalue(out, q) > 1e-3
+
+
+def test_bench_heads_reports_every_size(tiny_pair):
+    from bench.heads import format_report, measure
+
+    res = measure(tiny_pair, (8, 0), agree_per_task=1, live_prompts=1, max_new=6, agree_tokens=6, reps=2)
+    rows = {r["head"]: r for r in res["rows"]}
+    assert set(rows) == {"8", "full"} and rows["full"]["coverage"] == 1.0 and rows["8"]["coverage"] <= 1.0
+    assert rows["8"]["agreement"] <= rows["8"]["coverage"] and all(r["tau_at_4"] >= 1.0 for r in rows.values())
+    assert "full" in format_report(res)
