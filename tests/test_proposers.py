@@ -202,7 +202,7 @@ def test_calibration_reads_the_proposer_of_each_step():
     ("fixed:4@ngram:max=x", "proposer ngram: option max must be an integer, got 'x'"),
     ("fixed:4@ngram:max", "proposer ngram: option max needs a value"),
     ("fixed:4@ngram:max=2,max=3", "option max is given twice"),
-    ("fixed:4@draft:max=2", "unknown option 'max' for proposer draft; known: none"),
+    ("fixed:4@draft:max=2", "unknown option 'max' for proposer draft; known: vocab"),
     ("fixed:4@draft+ngram", "policy fixed drafts with one proposer, not draft\\+ngram"),
     ("fixed:4@ngram+ngram", "proposer ngram is named twice"),
     ("nope@ngram", "unknown policy 'nope@ngram'"),

@@ -1,4 +1,4 @@
-"""Commands that run one thing: generate, export, setup, import-speckv, divergence, distill, bench."""
+"""Commands that run one thing: generate, export, setup, import-speckv, divergence, distill, vocab, bench."""
 from __future__ import annotations
 
 import argparse
@@ -279,6 +279,18 @@ def cmd_distill(a: argparse.Namespace) -> int:
         raise ValueError(f"--{wrong[0].replace('_', '-')} is not an option of distill --kind {a.kind}")
     given = {n: getattr(a, n) for n in names if getattr(a, n) is not None}
     {"draft": distill.run, "eagle": eagle_train.run}[a.kind](config(**given), progress=tqdm, say=say)
+    return 0
+
+
+@command("vocab", "rank the embedded model's tokens by frequency on real text (the reduced-vocabulary draft heads' "
+         "engine/data/vocab_rank.safetensors)",
+         ("--conversations", dict(type=int, default=4000, help="ShareGPT conversations counted (a subsample)")))
+def cmd_vocab(a: argparse.Namespace) -> int:
+    from engine.training import vocab
+
+    if a.conversations < 0:
+        raise ValueError(f"--conversations must be ≥ 0, got {a.conversations}")
+    vocab.make(a.conversations, say=say)
     return 0
 
 

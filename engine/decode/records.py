@@ -10,7 +10,8 @@ ALPHA_DECAY = 0.8  # EWMA weight of the past in the acceptance estimate: ~5 step
 # The proposers a run may draft with, in their canonical order (a run's, a trace's), and the
 # options each takes in a policy spec (`fixed:3@ngram:max=3,min=2`); engine/oracles/__init__.py
 # builds them. Here, not there, so that parsing a policy loads no model code.
-PROPOSER_OPTIONS: dict[str, dict[str, type]] = {"draft": {}, "eagle": {}, "ngram": {"max": int, "min": int}}
+# draft:vocab=K: the draft's LM head cut to the K most frequent target tokens (engine/runtime/vocab_head.py).
+PROPOSER_OPTIONS: dict[str, dict[str, type]] = {"draft": {"vocab": int}, "eagle": {}, "ngram": {"max": int, "min": int}}
 PROPOSER_NAMES = tuple(PROPOSER_OPTIONS)
 # What a proposer's `lookahead()` says when a model drafts: it can propose any number of tokens.
 UNBOUNDED = 1 << 30

@@ -19,8 +19,10 @@ Factory = Callable[[object, list[int], object, object, dict[str, str]], object]
 
 def _draft(pair, prompt_ids: list[int], sampler, verifier, options: dict[str, str]):
     from engine.oracles.model import DraftModelProposer
+    from engine.runtime.vocab_head import sub_head
 
-    return DraftModelProposer(pair, prompt_ids, sampler, lambda: verifier.hit)
+    head = sub_head(pair, int(options["vocab"])) if "vocab" in options else None
+    return DraftModelProposer(pair, prompt_ids, sampler, lambda: verifier.hit, head)
 
 
 def _no_eagle(pair) -> str:

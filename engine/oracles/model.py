@@ -12,26 +12,36 @@ from engine.decode.step import draft_tokens
 from engine.oracles.sampling import Sampler, draft_signals
 from engine.runtime import invariance
 from engine.runtime.eagle_head import Rows
-from engine.runtime.forward import crop_to, forward_logits
+from engine.runtime.forward import crop_to, forward_last_state, forward_logits
 from engine.runtime.kv.cache import new_cache
 from engine.runtime.kv.calibration import CodecKit
 from engine.runtime.kv.offload import Offloaded, SlowTier, Timing, drop, offload, restore
 from engine.runtime.models import ModelPair
 from engine.runtime.prefix_cache import Entry, Hit, PrefixCache, fill, kv_of
+from engine.runtime.vocab_head import SubHead
 
 
-def draft_read(pair: ModelPair, ids: list[int], cache) -> tuple[torch.Tensor, object]:
-    """The draft reads `ids` after `cache`: logits [1, V] of the last. Its state at a position
-    must never depend on how many tokens each read took (the policy's path), or live runs would
-    not replay their traces: a row-invariant draft reads in chunks the load-time probe checked,
-    any other row by row (engine/runtime/invariance.py)."""
+def draft_read(pair: ModelPair, ids: list[int], cache, head: SubHead | None = None) -> tuple[torch.Tensor, object]:
+    """The draft reads `ids` after `cache`: logits [1, V] of the last ([1, K] over `head`'s ids
+    with a reduced-vocabulary head). Its state at a position must never depend on how many tokens
+    each read took (the policy's path), or live runs would not replay their traces: a row-
+    invariant draft reads in chunks the load-time probe checked, any other row by row
+    (engine/runtime/invariance.py). A sub-head reads the body's last state (one contiguous row,
+    whatever the read) and scores it once, after the last chunk."""
     if not pair.draft_row_invariant:
         with invariance.verifying() if len(ids) > 1 else contextlib.nullcontext():
-            return forward_logits(pair.draft, ids, cache, 1, pair.vocab_size, gather=True)
-    for i in range(0, len(ids), invariance.CATCHUP_ROWS):
-        logits, cache = forward_logits(pair.draft, ids[i : i + invariance.CATCHUP_ROWS], cache, 1, pair.vocab_size,
-                                       gather=True)
-    return logits, cache
+            out, cache = _draft_chunk(pair, ids, cache, head)
+    else:
+        for i in range(0, len(ids), invariance.CATCHUP_ROWS):
+            out, cache = _draft_chunk(pair, ids[i : i + invariance.CATCHUP_ROWS], cache, head)
+    return (out if head is None else head.logits(out)), cache
+
+
+def _draft_chunk(pair: ModelPair, ids: list[int], cache, head: SubHead | None) -> tuple[torch.Tensor, object]:
+    """One read: logits [1, V] of the last id, or with a sub-head the body's last state [1, H]."""
+    if head is None:
+        return forward_logits(pair.draft, ids, cache, 1, pair.vocab_size, gather=True)
+    return forward_last_state(pair.draft, ids, cache)
 
 
 class DraftModelProposer:
@@ -42,8 +52,9 @@ class DraftModelProposer:
     name = "draft"
 
     def __init__(self, pair: ModelPair, prompt_ids: list[int], sampler: Sampler,
-                 hit: Callable[[], Hit] = lambda: Hit("off", 0)) -> None:
+                 hit: Callable[[], Hit] = lambda: Hit("off", 0), head: SubHead | None = None) -> None:
         self.pair, self.prompt_ids, self.sampler = pair, prompt_ids, sampler
+        self.head = head  # a reduced-vocabulary LM head (`@draft:vocab=K`); None: the full head
         self.hit = hit  # the prefill's prefix-cache hit (asked at the first draft): its draft positions
         self.cache = None  # the draft's KV cache; None until it first drafts
         self.pending: list[int] = []  # context tokens not read yet, ending at the newest one
@@ -87,10 +98,13 @@ class DraftModelProposer:
 
         def next_token(j: int) -> DraftToken:
             nonlocal feed
-            logits, self.cache = self._read(feed)  # [1, V]
-            x, p = self.sampler.choose(logits[0])  # p: [V], the law x was drawn from
+            logits, self.cache = self._read(feed)  # [1, V], or [1, K] over the sub-head's ids
+            x, p = self.sampler.choose(logits[0])  # p: the law x was drawn from
+            signals = draft_signals(p)  # the same over [K] as over [V]: the rest of the law is zero
+            if self.head is not None:  # back to target ids; p over [V], zero off the head (exact rejection)
+                x, p = self.head.to_target(x), self.head.spread(p, self.pair.vocab_size)
             feed = [x]
-            return DraftToken(x, *draft_signals(p), p=p)
+            return DraftToken(x, *signals, p=p)
 
         drafted = draft_tokens(k, keep_drafting, next_token)
         self._drafted = len(drafted)
@@ -111,7 +125,7 @@ class DraftModelProposer:
         self.pending, self._drafted = list(pending), 0
 
     def _read(self, ids: list[int]) -> tuple[torch.Tensor, object]:
-        return draft_read(self.pair, ids, self.cache)
+        return draft_read(self.pair, ids, self.cache, self.head)
 
 
 def target_reads(pair: ModelPair, kv_tier: str) -> Callable[[], contextlib.AbstractContextManager]:

@@ -27,6 +27,17 @@ def forward_logits(model: torch.nn.Module, ids: list[int], cache, keep: int, voc
     return out.logits[0, :, :vocab].float(), out.cache  # [keep, V]
 
 
+def forward_last_state(model: torch.nn.Module, ids: list[int], cache) -> tuple[torch.Tensor, object]:
+    """Reads `ids` after `cache` through the model's body only (no LM head): the final-norm state
+    of the last id, copied into a contiguous [1, H] block (as forward_logits' gather), and the
+    cache. For a reduced-vocabulary head, which must not pay for the full head first."""
+    x = torch.tensor([ids], device=model.device)  # [1, S]
+    if cache is None:
+        cache = new_cache(model)
+    out = model.get_decoder()(input_ids=x, cache=cache, use_cache=True)
+    return out.last_hidden_state[0, -1:].contiguous(), out.cache  # [1, H]
+
+
 def crop_to(cache, length: int) -> None:
     """Roll `cache` back to its first `length` tokens."""
     extra = cache.get_seq_length() - length

@@ -6,7 +6,7 @@ import logging
 import os
 import shutil
 import tempfile
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
@@ -51,6 +51,9 @@ class ModelPair:
     eagle: object | None = None  # the target's feature-level draft head, when one is loaded (proposer "eagle")
     feature_tap: object | None = None  # keeps the target's final-norm states for it (engine/runtime/eagle_head.py)
     eagle_name: str = ""
+    # The draft's reduced-vocabulary heads by size K (vocab_head.sub_head), built at first use. Not
+    # an init field: a pair made by dataclasses.replace (another draft) starts with none.
+    vocab_heads: dict = field(default_factory=dict, init=False, repr=False, compare=False)
 
     @property
     def target_row_invariant(self) -> bool:

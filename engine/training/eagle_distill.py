@@ -29,6 +29,7 @@ from engine.datasets import prompts as promptlib
 from engine.lab.generation import encode_messages
 from engine.runtime import draft_model as draftlib
 from engine.runtime import eagle_head as eaglelib
+from engine.runtime.vocab_head import rank_tokens
 from engine.training.distill import Checkpoint, optimize, respond
 
 
@@ -164,12 +165,8 @@ def choose_vocab(seqs, size: int, eos_ids, vocab: int) -> tuple[torch.Tensor, fl
     counts = torch.zeros(vocab, dtype=torch.float64)
     for _, _, g in seqs:
         counts += torch.bincount(g.long(), minlength=vocab)[:vocab].double()
-    for e in eos_ids:
-        counts[e] = float("inf")
-    top = counts.topk(min(size, vocab)).indices.sort().values
-    finite = counts.clone()
-    finite[torch.isinf(finite)] = 0
-    return top, float(finite[top].sum() / max(finite.sum(), 1))
+    top = rank_tokens(counts, eos_ids)[: min(size, vocab)].sort().values
+    return top, float(counts[top].sum() / max(counts.sum(), 1))
 
 
 # -- training --------------------------------------------------------------------------------------
