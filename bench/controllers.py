@@ -96,7 +96,8 @@ def live(a: argparse.Namespace) -> dict:
 
     db = a.db or str(Path(tempfile.mkdtemp(prefix="speclab-bench-")) / "controllers.duckdb")
     tiers = a.tiers.split(",")
-    train_prompts, held = split_heldout(P.heldout(), a.train_per_task, a.per_task)
+    # Held-out prompts alternate between training and test: twice the larger count a task (real ones past the file's 10).
+    train_prompts, held = split_heldout(P.heldout(2 * max(a.per_task, a.train_per_task)), a.train_per_task, a.per_task)
     sweep = f"bench-{int(time.time())}"
     exact = VERIFY_MODES[getattr(a, "verify", "auto")]
     load = lambda tier: load_pair(a.target, a.draft, tier, a.draft_tier, a.device,  # noqa: E731

@@ -105,6 +105,24 @@ def per_token_ms(model, ids: list[int], device: torch.device, n: int = 24) -> fl
     return median_ms(once, n, warmup=3, sync=lambda: sync_device(device))
 
 
+@torch.inference_mode()
+def draft_step_ms(pair: ModelPair, ids: list[int], n: int = 24) -> float:
+    """Median ms of one draft step as the proposer takes it (oracles/model.draft_read: the pair's
+    default head, the row-invariant read), after `ids`, cache rolled back each time."""
+    from engine.oracles.model import draft_read
+    from engine.runtime.forward import crop_to
+    from engine.runtime.vocab_head import sub_head
+
+    head = sub_head(pair, pair.draft_vocab) if pair.draft_vocab else None
+    _, cache = draft_read(pair, ids, None, head)
+
+    def once() -> None:
+        draft_read(pair, [ids[-1]], cache, head)
+        crop_to(cache, len(ids))
+
+    return median_ms(once, n, warmup=3, sync=lambda: sync_device(pair.device))
+
+
 # -- settings -----------------------------------------------------------------------------------------
 MODES = {"auto": None, "exact": True, "fast": False}
 
@@ -303,7 +321,7 @@ def measure(load: Callable[[str, bool | None], ModelPair], settings: list[tuple[
     say = opts.say
     for s in opts.hf_assisted:
         check_hf_assisted(s)
-    prompts = opts.prompts or heldout()
+    prompts = opts.prompts or heldout(max(10, opts.per_task + 1))  # one more than timed: the calibration prompt
     timed_prompts = _per_task(prompts, opts.per_task)
     rest = [tp for tp in prompts if tp not in timed_prompts]
     calib = rest[0] if rest else timed_prompts[0]
@@ -369,7 +387,7 @@ def _draft_figures(pair: ModelPair, prompts, timed_prompts, results, where: str,
         tally[0], tally[1] = tally[0] + h, tally[1] + k
     hits, total = (sum(col) for col in zip(*by_task.values()))
     ctx = encode_prompt(pair.tokenizer, timed_prompts[0][1], chat=True) * 2  # a mid-length context
-    draft_ms = per_token_ms(pair.draft, ctx, pair.device, opts.forward_reps)
+    draft_ms = draft_step_ms(pair, ctx, opts.forward_reps)
     target_ms = per_token_ms(pair.target, ctx, pair.device, opts.forward_reps)
     return dict(agreement=hits / max(total, 1), agreement_positions=total, agreement_prompts=len(chosen),
                 agreement_by_task={t: h / max(k, 1) for t, (h, k) in by_task.items()},

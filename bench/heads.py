@@ -40,8 +40,8 @@ def _name(k: int) -> str:
     return "full" if k == 0 else str(k)
 
 
-def _policy(k: int) -> str:
-    return f"fixed:{GAMMA}@draft" + (f":vocab={k}" if k else "")
+def _policy(k: int, vocab: int) -> str:
+    return f"fixed:{GAMMA}@draft:vocab={k or vocab}"  # the full head named: the pair's default may be a sub-head
 
 
 def _heads(pair: ModelPair, sizes: tuple[int, ...]) -> dict[int, vocab_head.SubHead | None]:
@@ -101,7 +101,7 @@ def costs(pair: ModelPair, heads: dict, ctx: list[int], reps: int) -> tuple[floa
 @torch.inference_mode()
 def live(pair: ModelPair, sizes: tuple[int, ...], prompts: list[list[int]], max_new: int) -> dict[str, dict]:
     """τ at γ = 4 and tok/s per K (and `ar`), configurations interleaved per prompt."""
-    runs = {"ar": "ar", **{_name(k): _policy(k) for k in sizes}}
+    runs = {"ar": "ar", **{_name(k): _policy(k, pair.vocab_size) for k in sizes}}
     acc = {name: [0, 0, 0.0] for name in runs}  # tokens after the prefill, steps, wall ms
     for i, ids in enumerate(prompts):
         order = list(runs)[i % len(runs):] + list(runs)[: i % len(runs)]  # a rotating order

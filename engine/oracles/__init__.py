@@ -21,7 +21,8 @@ def _draft(pair, prompt_ids: list[int], sampler, verifier, options: dict[str, st
     from engine.oracles.model import DraftModelProposer
     from engine.runtime.vocab_head import sub_head
 
-    head = sub_head(pair, int(options["vocab"])) if "vocab" in options else None
+    k = int(options["vocab"]) if "vocab" in options else getattr(pair, "draft_vocab", 0)
+    head = sub_head(pair, k) if k and k != pair.vocab_size else None  # K = V: the full head itself
     return DraftModelProposer(pair, prompt_ids, sampler, lambda: verifier.hit, head)
 
 
