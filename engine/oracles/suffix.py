@@ -164,6 +164,7 @@ def prompt_key(prompt_ids: Iterable[int]) -> str:
 
 
 def check_budget(budget: object, where: str = "suffix option budget") -> int:
+    """`budget` if a positive int; else a one-line ValueError naming `where` (a flag, an option)."""
     if isinstance(budget, bool) or not isinstance(budget, int) or budget <= 0:
         raise ValueError(f"{where} must be a positive number of tokens, got {budget!r}")
     return budget
