@@ -10,7 +10,8 @@
                acceptance traces (every proposer's) of other held-out prompts (the draft never
                saw either half), the cost table is calibrated against live `ar`/`fixed:1,2,4`
                steps on those same training prompts, and each adaptive policy is reported
-               against max(ar, best fixed proposer × γ) of its tier
+               against max(ar, best fixed proposer × γ) of its tier; the suffix proposer's
+               cross-request history is the training prompts' outputs (never a tested prompt's)
 
 Run: python bench/controllers.py decision|live [--json]   or   python -m engine bench controllers …"""
 from __future__ import annotations
@@ -87,6 +88,7 @@ def live(a: argparse.Namespace) -> dict:
         cost_table,
         policy_context,
         retrain,
+        suffix_history,
         sweep_table,
         trace_prompts,
     )
@@ -124,13 +126,16 @@ def live(a: argparse.Namespace) -> dict:
         for tier in tiers:
             pair = load(tier)
             ctx = policy_context(st, pair)
+            # What a server would have seen: the training prompts' outputs, never a held-out one's (frozen:
+            # a policy must not find another policy's output of the same prompt).
+            history = suffix_history(st, pair, prompts={p for _, p in train_prompts}).snapshot()
             for rep in range(a.repeats):
                 for i, (task, prompt) in enumerate(held):
                     # Policies interleaved per prompt, their order rotated: drift hits all alike.
                     shift = (i + rep) % len(policies)
                     for pol in policies[shift:] + policies[:shift]:
                         generate(pair, Request(prompt, pol, task=task, max_new_tokens=a.max_new_tokens, sweep=sweep),
-                                 st, context=ctx)
+                                 st, context=ctx, history=history)
             print(f"{tier}: {len(held)} held-out prompts × {len(policies)} policies × {a.repeats} done", file=sys.stderr)
             del pair
         runs = st.runs(sweep=sweep)

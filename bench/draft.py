@@ -6,7 +6,10 @@
                          share of its drafting steps whose first drafted token stood)
       tau_at_4           τ, tokens per target step including the target's own, over every step
                          of live `fixed:4@<proposer>` runs (the EAGLE papers' "acceptance length";
-                         an n-gram step without a match counts as the plain step it is)
+                         an n-gram step without a match counts as the plain step it is); the suffix
+                         proposer cold (no history) and "suffix warm": its cross-request history
+                         the greedy outputs of --suffix-history other held-out prompts per task,
+                         never the timed prompt's own (greedy outputs repeat exactly)
       cost_ratio         ms per drafted token / the target's ms per plain step, from the cost
                          table measured for the setting (engine/profiling.measure_costs)
     live tok/s, per tier and verify mode (bf16: exact and fast, named), wall clock, policies
@@ -40,20 +43,22 @@ from typing import Callable
 
 import torch
 
-from bench.draft_tables import GAMMA, format_report, headline, setting_table, tier_table
+from bench.draft_tables import GAMMA, format_report, headline, proposer_stats, setting_table, tier_table
 from engine.base.helpers import median_ms
 from engine.datasets.prompts import heldout
 from engine.decode.policies import PolicyContext
 from engine.lab.generation import Generation, encode_prompt
 from engine.oracles import available
+from engine.oracles.suffix import prompt_key
 from engine.runtime.forward import sync_device
 from engine.runtime.kv.cache import new_cache
 from engine.runtime.models import EXACT_VERIFY_TIERS, ModelPair, load_pair
 from engine.runtime.verify_kernels import stock_kernels
 from engine.service.options import add_model_args
-from engine.service.runs import Request, open_generation
+from engine.service.runs import Request, greedy_history, open_generation
 
 HF_ASSISTED = ("constant:2", "constant:4", "heuristic")  # HF assisted settings timed by default
+SUFFIX_WARM = f"fixed:{GAMMA}@suffix warm"  # the entry of fixed:4@suffix reading the warm history
 HF_ASSISTED_KNOWN = "constant:K (K tokens a step, no confidence stop), heuristic (HF's +2/−1 schedule from 4), " \
                     "default (HF's own defaults: 20 tokens, constant, dynamic confidence stop 0.4)"
 HF_DEFAULTS = dict(num_assistant_tokens=20, num_assistant_tokens_schedule="constant", assistant_confidence_threshold=0.4)
@@ -76,6 +81,7 @@ class Options:
     controller: Callable | None = None  # speckv's controller loader (service.controller_loader); None: rakv only
     speckv_note: str = "speckv not run: no stored controller (pass --db FILE holding one, e.g. from `bench controllers live --db FILE`)"
     prompts: list[tuple[str, str]] | None = None  # (task, prompt); None: engine.datasets.prompts.heldout()
+    suffix_history: int = 2  # untimed held-out prompts per task whose outputs are suffix's warm history (0: none)
     say: Callable[[str], None] = field(default=lambda m: print(m, file=sys.stderr, flush=True))
 
 
@@ -197,9 +203,11 @@ def _steps(g: Generation) -> list[tuple[int, int, int, str]]:
     return [(r.k_drafted, r.accepted, r.emitted, r.proposer) for r in g.records[1:]]
 
 
-def speclab_runner(pair: ModelPair, policy: str, ctx: PolicyContext | None) -> Callable:
+def speclab_runner(pair: ModelPair, policy: str, ctx: PolicyContext | None, history=None) -> Callable:
+    """`history`: the suffix history a run reads (frozen), read without the run's own prompt."""
     def run(ids: list[int], n: int) -> tuple[list[int], list | None, float]:
-        gen = open_generation(pair, Request("", policy, max_new_tokens=n), context=ctx, prompt_ids=ids)
+        seen = history.without(prompt_key(ids)) if history is not None else None
+        gen = open_generation(pair, Request("", policy, max_new_tokens=n), context=ctx, prompt_ids=ids, history=seen)
         sync_device(pair.device)
         t0 = time.perf_counter()
         gen.run()
@@ -332,7 +340,7 @@ def measure(load: Callable[[str, bool | None], ModelPair], settings: list[tuple[
     res: dict = dict(settings={}, tiers={}, timed_prompts=len(timed_prompts), max_new_tokens=opts.max_new,
                      ks=_ks(opts), repeats=opts.repeats, calibration_prompt=calib[1][:60],
                      speckv=None if opts.controller is not None else opts.speckv_note)
-    first = True
+    first, warm = True, None
     for tier, modes in tiers.items():
         pairs = {label(tier, m): load(tier, MODES[m]) for m in modes}
         labels = list(pairs)
@@ -341,6 +349,9 @@ def measure(load: Callable[[str, bool | None], ModelPair], settings: list[tuple[
             res.update(target=p0.target_name, draft=p0.draft_name, draft_tier=p0.draft_tier, eagle=p0.eagle_name or None,
                        device=str(p0.device), threads=torch.get_num_threads(), proposers_available=list(available(p0)))
         timed = [encode_prompt(pairs[labels[0]].tokenizer, p, chat=True) for _, p in timed_prompts]
+        if warm is None and opts.suffix_history > 0 and "suffix" in _proposers(pairs[labels[0]], opts):
+            say(f"suffix: the warm history, outputs of {opts.suffix_history} untimed prompt(s) per task…")
+            warm = greedy_history(pairs[labels[0]], [p for _, p in _per_task(rest, opts.suffix_history)], opts.max_new)
         entries, contexts, policies = [], {}, {}
         for where, pair in pairs.items():
             say(f"{where}: measuring costs{' and calibrating them' if opts.calibrate_tokens else ''}…")
@@ -348,6 +359,8 @@ def measure(load: Callable[[str, bool | None], ModelPair], settings: list[tuple[
             contexts[where] = info
             policies[where] = policies_for(pair, opts, opts.controller is not None)
             entries += [Entry(p, where, speclab_runner(pair, p, ctx)) for p in policies[where]]
+            if warm is not None and f"fixed:{GAMMA}@suffix" in policies[where]:
+                entries.append(Entry(SUFFIX_WARM, where, speclab_runner(pair, f"fixed:{GAMMA}@suffix", ctx, warm)))
         # HF's peers on the pair whose target runs HF's own forward (the fast or default mode's)
         hf_where = next((w for w, m in zip(labels, modes) if m != "exact"), labels[0])
         hf_pair = pairs[hf_where]
@@ -358,6 +371,9 @@ def measure(load: Callable[[str, bool | None], ModelPair], settings: list[tuple[
         hf = {s: results[(tier, s)] for s in hf_settings(opts)}
         tables = {w: setting_table(w, tier, m, pairs[w], policies[w], results, tasks, hf["hf_generate"], contexts[w])
                   for w, m in zip(labels, modes)}
+        for w, t in tables.items():
+            if (w, SUFFIX_WARM) in results:
+                t["proposers"]["suffix warm"] = warm_stats(t["proposers"]["suffix"], results[(w, SUFFIX_WARM)], tasks)
         res["settings"].update(tables)
         res["tiers"][tier] = tier_table(tier, tables, hf, tasks)
         if first:
@@ -394,6 +410,16 @@ def _draft_figures(pair: ModelPair, prompts, timed_prompts, results, where: str,
                 draft_ms=draft_ms, target_ms=target_ms, draft_cost_ratio=draft_ms / target_ms)
 
 
+def warm_stats(cold: dict, runs: list[dict], tasks: list[str]) -> dict:
+    """The τ-table row of `fixed:4@suffix` reading the warm history: its own steps' figures, the
+    cold row's costs (the same proposer, drafting as cheaply)."""
+    every = list(range(len(tasks)))
+    steps = [r["steps"] for r in runs]
+    st = dict(cold, **proposer_stats(steps, every))
+    st["by_task"] = {t: proposer_stats(steps, [i for i in every if tasks[i] == t]) for t in dict.fromkeys(tasks)}
+    return st
+
+
 def _ints(text: str) -> tuple[int, ...]:
     return tuple(int(x) for x in text.split(",") if x.strip())
 
@@ -415,6 +441,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--agreement-per-task", type=int, default=None,
                    help="held-out prompts per task for the draft's agreement (default: the timed ones; 10: all)")
     p.add_argument("--repeats", type=int, default=1)
+    p.add_argument("--suffix-history", type=int, default=2, help="untimed held-out prompts per task whose greedy "
+                   "outputs are the suffix proposer's warm history (0: cold only)")
     p.add_argument("--db", default=None, help="a DuckDB file holding a trained speckv controller: speckv is timed too")
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--json", action="store_true")
@@ -427,7 +455,7 @@ def main(argv: list[str] | None = None) -> int:
                    proposers=tuple(x for x in a.proposers.split(",") if x) if a.proposers else None,
                    hf_assisted=tuple(x for x in a.hf_assisted.split(",") if x), hf_lookup=_ints(a.hf_lookup),
                    cost_buckets=_ints(a.cost_buckets), cost_reps=a.cost_reps, calibrate_tokens=a.calibrate_tokens,
-                   agreement_per_task=a.agreement_per_task, repeats=a.repeats)
+                   agreement_per_task=a.agreement_per_task, repeats=a.repeats, suffix_history=a.suffix_history)
     for s in opts.hf_assisted:
         check_hf_assisted(s)
     if a.db:

@@ -80,15 +80,16 @@ def test_cost_aware_policies_run_live_and_say_what_they_miss(app_env):
     at.button(key="live_generate").click().run(timeout=120)
     assert not at.exception and not _errors(at), _errors(at)
     with Store(app_env) as store:
-        costs = store.costs()  # three context buckets, for the draft model and the n-gram lookup
-        assert list(store.runs()["policy"]) == ["rakv"] and len(costs) == 6
-        assert sorted(costs["proposer"]) == ["draft"] * 3 + ["ngram"] * 3
+        costs = store.costs()  # three context buckets, for the draft model, the n-gram lookup and the suffix counts
+        assert list(store.runs()["policy"]) == ["rakv"] and len(costs) == 9
+        assert sorted(costs["proposer"]) == ["draft"] * 3 + ["ngram"] * 3 + ["suffix"] * 3
     why = at.dataframe[0].value["why"].tolist()  # every choice says why, in one line
     assert why[0] == "prefill" and all(w and "\n" not in w for w in why)
     # Each names the proposer it drafts with (rakv chooses among all the pair has), or plain.
-    assert all(w.startswith(("draft γ", "ngram γ", "probe draft", "probe ngram", "plain")) for w in why[1:]), why
+    said = ("draft γ", "ngram γ", "suffix γ", "probe draft", "probe ngram", "probe suffix", "plain")
+    assert all(w.startswith(said) for w in why[1:]), why
     proposers = at.dataframe[0].value["proposer"].tolist()
-    assert all(p in ("", "draft", "ngram") for p in proposers) and all(
+    assert all(p in ("", "draft", "ngram", "suffix") for p in proposers) and all(
         w.startswith(p) for p, w in zip(proposers[1:], why[1:]) if p), (proposers, why)
     at.text_input(key="live_policy_spec").set_value("speckv")  # no controller trained yet
     at.button(key="live_generate").click().run(timeout=60)

@@ -81,11 +81,11 @@ def test_draft_bench_reports_what_the_issue_asks(tiny_dirs, eagle_tiny, monkeypa
     assert res["best_bf16_verify"] in ("exact", "fast") and res["best_vs_ar_bf16"] > 1
     assert res["best_vs_ar_fp32"] > 1 and res["best_vs_hf_assisted"] > 1 and res["worst_task_vs_ar"] > 1
     fp32 = res["settings"]["fp32"]
-    want = {"ar", "rakv"} | {f"fixed:{k}@{p}" for k in (2, 4) for p in ("draft", "eagle", "ngram")}
+    want = {"ar", "rakv"} | {f"fixed:{k}@{p}" for k in (2, 4) for p in ("draft", "eagle", "ngram", "suffix")}
     assert set(fp32["tok_s"]) == want and set(res["settings"]["bf16/fast"]["tok_s"]) == want - {"fixed:2@eagle", "fixed:4@eagle"}
     assert res["best_policy"] in want - {"ar"} and "rakv" in fp32["adaptive_vs_peer"]
     # τ counts the target's own token: between 1 and γ + 1 per step.
-    assert set(res["proposers"]) == {"draft", "eagle", "ngram"}
+    assert set(res["proposers"]) == {"draft", "eagle", "ngram", "suffix", "suffix warm"}  # warm: other prompts' outputs
     for p, s in res["proposers"].items():
         assert s["tau_at_4"] is None or 1 <= s["tau_at_4"] <= 5, p
         assert s["cost_ratio"] >= 0 and set(s["tau_at_4_by_task"]) == {"code", "math", "chat", "summarization"}
@@ -148,12 +148,12 @@ def test_controllers_bench_live_reports_every_policy_per_tier(tiny_dirs, tmp_pat
 
     with Store(str(tmp_path / "c.duckdb"), read_only=True) as st:
         runs = st.runs(sweep=res["sweep"])
-    fixed = {f"fixed:{k}@{p}" for k in (1, 2) for p in ("draft", "ngram")}  # every proposer the tiny pair has
-    assert len(runs) == 4 * 7 * 2  # every (prompt, policy) twice
+    fixed = {f"fixed:{k}@{p}" for k in (1, 2) for p in ("draft", "ngram", "suffix")}  # every proposer the tiny pair has
+    assert len(runs) == 4 * 9 * 2  # every (prompt, policy) twice
     assert set(t["tokens_per_s"]) == {"ar", "speckv", "rakv"} | fixed and t["prompts"] == 4
     assert t["best_fixed"] in fixed and set(t["vs_peer"]) == {"speckv", "rakv"}
     assert t["peer"] == pytest.approx(max(t["tokens_per_s"][p] for p in fixed | {"ar"}))
-    assert set(t["best_fixed_by_proposer"]) == {"draft", "ngram"}
+    assert set(t["best_fixed_by_proposer"]) == {"draft", "ngram", "suffix"}
     assert res["controller"]["whatif_kind"] == "exact replay"
     assert len(res["step_factor"]["fp32"]) == 9  # costs calibrated on the training prompts' live steps
     # Where rakv's time goes: the kinds of steps add up to its whole time and to its whole loss.

@@ -91,7 +91,8 @@ def test_proposer_mix_is_the_share_of_drafting_steps_per_proposer():
 
 def test_policy_options_offer_the_proposer_forms():
     base = ["ar", "fixed:4", "rakv"]
-    assert C.policy_options(base) == base + ["fixed:4@ngram", "rakv@draft", "rakv@ngram"]
+    assert C.policy_options(base) == base + ["fixed:4@ngram", "fixed:4@suffix",
+                                             "rakv@draft", "rakv@ngram", "rakv@suffix"]
     with_eagle = C.policy_options(base, ("draft", "eagle", "ngram"))
     assert {"fixed:4@eagle", "fixed:4@ngram", "rakv@eagle"} <= set(with_eagle) and with_eagle[:3] == base
     assert C.policy_options(base, ("draft",)) == base  # one proposer: nothing to choose among

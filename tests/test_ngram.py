@@ -210,11 +210,10 @@ def test_rejection_sampling_of_one_hot_drafts_preserves_the_target_law():
     assert len(second) > 300 and _chi2_pvalue(second, q[1]) > 1e-3
 
 
-def test_sampling_with_ngram_drafts_follows_the_target_law(tiny_pair):
-    """End to end through the target verifier: a context whose copy the target finds likely,
-    one verify step repeated (rewound after each), its first two emitted tokens against the
-    target's own sampling law."""
-    T, top_p, N = 0.8, 0.95, 1200
+def copy_context(tiny_pair, T: float = 0.8, top_p: float = 0.95) -> dict:
+    """A context whose copy the target finds likely, for the end-to-end sampling tests: ids =
+    head, a, v, tail, a (a copy from [a] proposes [v, tail[0]]), with the target's laws q1 of the
+    next token and q2 of the one after v."""
     pair = dataclasses.replace(tiny_pair, eos_ids=frozenset())  # no early stop: two tokens every time
     V_pair, tok = pair.vocab_size, pair.tokenizer
     head, tail, a = tok("The cat sat on")["input_ids"], tok(" mat.")["input_ids"], tok("Q")["input_ids"][0]
@@ -230,18 +229,29 @@ def test_sampling_with_ngram_drafts_follows_the_target_law(tiny_pair):
         q1 = q_v[v]  # [V]
         q2 = warp(pair.target(torch.tensor([ids + [v]])).logits[0, -1, :V_pair], T, top_p)  # [V]: after the copy's first
     assert q1[v] > 0.3  # measured 0.42: the copy is accepted often enough to test the second token
-    sampler = Sampler(T, top_p, 0, pair.device)
-    verifier, proposer = TargetVerifier(pair, ids, sampler), NgramProposer(ids, sampler, V_pair, max_ngram=1)
+    return dict(pair=pair, ids=ids, v=v, tail=tail, a=a, q1=q1, q2=q2, sampler=Sampler(T, top_p, 0, pair.device))
+
+
+def two_token_law_holds(c: dict, proposer, N: int = 1200) -> None:
+    """One verify of the proposer's [v, tail[0]] after c's context, repeated (rewound after each):
+    its first two emitted tokens against the target's own sampling law."""
+    verifier = TargetVerifier(c["pair"], c["ids"], c["sampler"])
     first, second = [], []
     with torch.inference_mode():
         verifier.prefill()
         for _ in range(N):
-            verifier.rewind(len(ids))  # back to the context ids, its next token unread
+            verifier.rewind(len(c["ids"]))  # back to the context ids, its next token unread
             drafted = proposer.propose(2, _always)
-            assert [d.token_id for d in drafted] == [v, tail[0]]
+            assert [d.token_id for d in drafted] == [c["v"], c["tail"][0]]
             _, emitted = verifier.verify(drafted)
             first.append(emitted[0])
-            if emitted[0] == v:
+            if emitted[0] == c["v"]:
                 second.append(emitted[1])
-    assert _chi2_pvalue(first, q1) > 1e-3
-    assert len(second) > 300 and _chi2_pvalue(second, q2) > 1e-3
+    assert _chi2_pvalue(first, c["q1"]) > 1e-3
+    assert len(second) > 300 and _chi2_pvalue(second, c["q2"]) > 1e-3
+
+
+def test_sampling_with_ngram_drafts_follows_the_target_law(tiny_pair):
+    """End to end through the target verifier: a context whose copy the target finds likely."""
+    c = copy_context(tiny_pair)
+    two_token_law_holds(c, NgramProposer(c["ids"], c["sampler"], c["pair"].vocab_size, max_ngram=1))

@@ -533,7 +533,7 @@ def test_replay_matches_the_live_run_choosing_among_proposers(tiny_pair, traced_
     ctx = PolicyContext(costs=costs, controller=synthetic_context().controller)
     seen = set()
     for t in traces:
-        assert {r["proposer"] for r in t.positions} == {"draft", "ngram"}
+        assert {r["proposer"] for r in t.positions} == {"draft", "ngram", "suffix"}
         ids = encode_prompt(tiny_pair.tokenizer, t.row["prompt"], chat=True)
         live = Generation(tiny_pair, ids, make_policy(spec, ctx), GenConfig(max_new_tokens=24)).run()
         rep = replay(make_policy(spec, ctx), t.row, t.positions, costs)

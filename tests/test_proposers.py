@@ -58,7 +58,7 @@ def test_every_proposer_hears_every_step_and_records_name_the_drafter(tiny_pair)
     sampler = Sampler(0.0, 1.0, None, tiny_pair.device)
     verifier = TargetVerifier(tiny_pair, ids, sampler)
     props = build(tiny_pair, ids, sampler, verifier, None)
-    assert list(props) == ["draft", "ngram"] == list(available(tiny_pair))  # no EAGLE head on the tiny pair
+    assert list(props) == ["draft", "ngram", "suffix"] == list(available(tiny_pair))  # no EAGLE head on the tiny pair
     seen = []
 
     class Watch(Alternate):
@@ -70,15 +70,15 @@ def test_every_proposer_hears_every_step_and_records_name_the_drafter(tiny_pair)
         recs = list(decode(props, verifier, Watch(), Setting(len(ids), MAX_NEW, "fp32", "native"), lambda: 0.0))
     out = [t for r in recs for t in r.token_ids]
     assert out == _hf_greedy(tiny_pair, ids, MAX_NEW)
-    assert props["ngram"].tokens == ids + out  # told every step, the draft model's included
+    assert props["ngram"].tokens == ids + out == props["suffix"].tokens  # told every step, the draft model's included
     draft = props["draft"]
     assert draft.cache.get_seq_length() + len(draft.pending) == len(ids) + len(out)
     by = {r.proposer for r in recs}
     assert by == {"", "draft", "ngram"}
     assert all((r.proposer == "") == (r.k_drafted == 0) for r in recs)
-    assert all(s[0] == ("draft", "ngram") and s[1]["draft"] == UNBOUNDED and s[1]["ngram"] in (0, UNBOUNDED)
-               for s in seen)
-    assert all(s[2]["ngram"] == (0, 0) for s in seen) and seen[0][2]["draft"] == (len(ids), 0)
+    assert all(s[0] == ("draft", "ngram", "suffix") and s[1]["draft"] == UNBOUNDED and s[1]["ngram"] in (0, UNBOUNDED)
+               and 0 <= s[1]["suffix"] <= K_MAX for s in seen)
+    assert all(s[2]["ngram"] == s[2]["suffix"] == (0, 0) for s in seen) and seen[0][2]["draft"] == (len(ids), 0)
     assert {p for s in seen for p in s[3]} == {"draft", "ngram"}  # per-proposer EWMAs, once each drafted
 
 
@@ -108,7 +108,7 @@ def test_traces_hold_every_proposers_proposal_at_every_position(lab):
     for t in traces:
         out = t.row["token_ids"]
         by = proposals(t.positions)
-        assert list(by) == ["draft", "ngram"] and t.row["config"]["proposers"] == ["draft", "ngram"]
+        assert list(by) == ["draft", "ngram", "suffix"] == t.row["config"]["proposers"]
         for name, at in by.items():
             assert sorted(at) == list(range(1, len(out)))
             for p, r in at.items():
@@ -117,6 +117,8 @@ def test_traces_hold_every_proposers_proposal_at_every_position(lab):
                 assert n == len(r["draft_ids"]) or p + n == len(out) or r["draft_ids"][n] != out[p + n]
         assert all(len(r["draft_ids"]) == 8 and r["lookahead"] == UNBOUNDED for r in by["draft"].values())
         assert all(len(r["draft_ids"]) == (8 if r["lookahead"] else 0) for r in by["ngram"].values())
+        assert all(len(r["draft_ids"]) == r["lookahead"] <= 8 for r in by["suffix"].values())  # its path, whole
+        assert t.row["config"]["suffix_history"]["requests"] == 0  # traced without a history
     ngram = [r for t in traces for r in proposals(t.positions)["ngram"].values()]
     assert any(r["accept_len"] > 0 for r in ngram) and any(r["lookahead"] == 0 for r in ngram)
 
@@ -173,7 +175,7 @@ def test_bare_proposer_is_the_draft(lab):
 
 def test_costs_price_each_proposer(lab):
     _, costs = lab
-    assert costs.proposers == ("draft", "ngram")
+    assert costs.proposers == ("draft", "ngram", "suffix")
     ng = costs.drafting("ngram")
     assert len(ng.ms) == len(ng.cold_read_ms) == len(ng.warm_read_ms) == 2 and all(x >= 0 for x in ng.ms)
     assert costs.step_ms(4, 8, "ngram") == pytest.approx(4 * ng.ms[0] + costs.verify_ms[0][4])

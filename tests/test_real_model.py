@@ -20,7 +20,7 @@ from tiny import synthetic_context
 MAX_NEW = 32
 KV_NEW = 40  # the KV-tier check's length: its counts of prompts that leave native's output were measured over 40
 # Every policy, and each proposer drafting alone (rakv and speckv choose among them all).
-POLICIES = POLICY_EXAMPLES + ["fixed:4@eagle", "fixed:4@ngram"]
+POLICIES = POLICY_EXAMPLES + ["fixed:4@eagle", "fixed:4@ngram", "fixed:4@suffix"]
 # Reuse lives in the verifier's and each proposer's caches: every proposer, the policies that
 # choose among them, and the policies that decide about reuse itself.
 REUSE_POLICIES = ["ar", "fixed:4", "fixed:4@eagle", "fixed:4@ngram", "rakv", "speckv", "reuse-only", "joint:4"]
@@ -61,6 +61,23 @@ def test_greedy_equals_hf_generate_for_every_policy(pair, task, prompt):
         margin = _margin(pair, ids, ref[:i])
         assert margin < NEAR_TIE, f"{pair.target_tier} {policy} {task}: differs at {i}, margin {margin:.2e}"
         warnings.warn(f"near tie excused: {pair.target_tier} {policy} {task} at {i}, margin {margin:.1e}")
+
+
+def test_greedy_equals_hf_generate_with_a_warm_suffix_history(pair):
+    """The suffix proposer reading a history that holds every prompt's own output (what a
+    repeated request finds): it drafts long, and the output is still HF's."""
+    from engine.oracles.suffix import SuffixHistory, prompt_key
+
+    ids = [encode_prompt(pair.tokenizer, p, chat=True) for _, p in PROMPTS]
+    refs = [_hf_greedy(pair, x, MAX_NEW) for x in ids]
+    history = SuffixHistory.from_outputs((prompt_key(x), r) for x, r in zip(ids, refs))
+    accepted = 0
+    for (task, _), x, ref in zip(PROMPTS, ids, refs):
+        g = Generation(pair, x, make_policy("fixed:8@suffix"), GenConfig(max_new_tokens=MAX_NEW), history=history).run()
+        i = divergence.first_difference(ref, g.token_ids)
+        assert i is None or _margin(pair, x, ref[:i]) < NEAR_TIE, f"{pair.target_tier} {task}: differs at {i}"
+        accepted += sum(r.accepted for r in g.records)
+    assert accepted > len(PROMPTS) * MAX_NEW // 2  # it copied its earlier answers
 
 
 def test_prefix_reuse_keeps_greedy_output_for_every_policy(pair):

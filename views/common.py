@@ -11,7 +11,7 @@ from engine.base.helpers import default_db, one_line
 from engine.base.names import EMBEDDED_LABEL
 from engine.runtime.models import load_pair, resolve_device
 from engine.runtime.prefix_cache import PrefixCache, spilling
-from engine.service import store_run
+from engine.service import SUFFIX_BUDGET, SuffixHistory, store_run
 
 _KEYS = {"target": "speclab_target", "draft": "speclab_draft", "db": "speclab_db"}
 _ENV = {"target": "SPECLAB_TARGET", "draft": "SPECLAB_DRAFT"}
@@ -82,6 +82,17 @@ def get_prefix_cache(s: Settings, target_tier: str, budget_mib: int) -> PrefixCa
     """The cross-request prefix cache of a loaded pair, shared by every session of the process
     (one per budget: changing the budget starts an empty cache)."""
     return _prefix_cache(s.target, s.draft, target_tier, budget_mib)
+
+
+@st.cache_resource(show_spinner=False, max_entries=2)
+def _suffix_history(target: str | None, draft: str | None) -> SuffixHistory:
+    return SuffixHistory(SUFFIX_BUDGET)
+
+
+def get_suffix_history(s: Settings) -> SuffixHistory:
+    """The cross-request history of the suffix proposer for a pair (its tokenizer's: one for
+    every tier), shared by every session of the process and fed by each live run and comparison."""
+    return _suffix_history(s.target, s.draft)
 
 
 def get_pair(s: Settings, target_tier: str):

@@ -19,7 +19,7 @@ from engine.lab.slots import decode_slot
 from engine.service import context_for, replay_rows
 from engine.service.runs import Request, check, run_policies
 from store import Store
-from views.common import get_pair, save_run, settings, show_error
+from views.common import get_pair, get_suffix_history, save_run, settings, show_error
 
 RESULT_KEY = "compare_result"
 WHATIF_KEY = "compare_whatif"
@@ -29,7 +29,8 @@ DEFAULT_POLICIES = ["ar", "fixed:4", DEFAULT_POLICY]
 POLICY_OPTIONS = list(dict.fromkeys(["ar"] + [f"fixed:{k}" for k in range(1, 9)] + POLICY_EXAMPLES))
 PROPOSERS_KEY = "speclab_proposers"  # the loaded pair's proposers (as views/live.py keeps them)
 # Marker shapes of the proposers on the γ timelines; a plain step is a small dot.
-PROPOSER_SYMBOLS = {"draft": "circle", "eagle": "diamond", "ngram": "square", "": "circle-open"}
+PROPOSER_SYMBOLS = {"draft": "circle", "eagle": "diamond", "ngram": "square", "suffix": "triangle-up",
+                    "": "circle-open"}
 WHATIF_DEFAULT = ["ar", "fixed:2", "fixed:4", "heuristic", "rakv"]
 
 
@@ -101,7 +102,9 @@ def run_compare(inp: dict) -> dict | None:
 
         progress_ph.progress(0.0, text=f"0/{total} runs")
         # No prefix cache: a later policy would find the earlier one's prompt and win on TTFT.
-        results = run_policies(pair, prompts, specs, req, ctxs.get, prefix=None, on_run=on_run, on_wait=on_wait)
+        # The suffix history as it stands now for every policy; fed the outputs after the comparison.
+        results = run_policies(pair, prompts, specs, req, ctxs.get, prefix=None, on_run=on_run, on_wait=on_wait,
+                               history=get_suffix_history(s))
     except Exception as e:  # noqa: BLE001 - one line in the UI, never a traceback
         wait_ph.empty()
         progress_ph.empty()

@@ -18,12 +18,21 @@ from engine.lab.generation import Generation
 from engine.lab.side_by_side import policy_options, proposers_of
 from engine.lab.slots import decode_slot
 from engine.service.runs import Request, check, keep, open_generation
-from views.common import Saved, get_pair, get_prefix_cache, save_run, settings, show_error, show_saved
+from views.common import (
+    Saved,
+    get_pair,
+    get_prefix_cache,
+    get_suffix_history,
+    save_run,
+    settings,
+    show_error,
+    show_saved,
+)
 
 RESULT_KEY = "live_result"
 PROPOSERS_KEY = "speclab_proposers"  # the loaded pair's proposers (engine.oracles.available), for the selectors
 # Marker shapes of the proposers on the γ timeline (colours come from the figure's palette).
-PROPOSER_SYMBOLS = {"draft": "circle", "eagle": "diamond", "ngram": "square"}
+PROPOSER_SYMBOLS = {"draft": "circle", "eagle": "diamond", "ngram": "square", "suffix": "triangle-up"}
 DEFAULT_PROMPT = WORKBENCH_PROMPT
 # Redraw budget while streaming: every redraw is work for this server and for the browser, which
 # share the cores with torch (on 2 cores per-step redraws cut decode speed 2.5–10×). The text
@@ -204,7 +213,8 @@ def generate(inp: dict, out_ph, chart_ph, status_ph) -> dict | None:
         st.session_state[PROPOSERS_KEY] = proposers_of(pair)
         prefix = get_prefix_cache(s, inp["tier"], inp["budget_mib"])
         with st.spinner("Reading the cost table and controller (measured once when missing)…"):
-            gen = open_generation(pair, req, s.db, prefix=prefix)  # speckv/rakv read their costs and controller
+            gen = open_generation(pair, req, s.db, prefix=prefix,  # speckv/rakv read their costs and controller
+                                  history=get_suffix_history(s))
     except Exception as e:  # noqa: BLE001 - one line in the UI, never a traceback
         show_error(e)
         return None

@@ -12,6 +12,7 @@ from typing import Callable
 from engine.base.helpers import csv_list
 from engine.cli.parsing import COMMANDS, JSON_ARG, REPO_ROOT, command, load, open_or_fail, pairs, say
 from engine.decode.policies import DEFAULT_POLICY, POLICY_EXAMPLES
+from engine.service import SUFFIX_BUDGET
 from engine.service.options import KV_TIER_ARG, add_model_args
 
 
@@ -24,15 +25,18 @@ from engine.service.options import KV_TIER_ARG, add_model_args
          ("--task", dict(default=None, help="label stored with the run (code, math, …)")),
          ("--no-reuse", dict(action="store_true", help="recompute the whole prompt: no cross-request prefix KV")),
          ("--prefix-budget", dict(type=float, default=512.0, help="prefix cache budget in MiB")),
+         ("--suffix-budget", dict(type=int, default=SUFFIX_BUDGET, help="tokens of earlier outputs (the runs "
+                                  "stored in --db for this target, newest first) the suffix proposer draws from")),
          ("--json", dict(action="store_true", help="print one JSON object instead of the text")),
          ("--config", dict(default=None, help="a SpecLab config (`export --format json|yaml`): it supplies the "
                            "models, tiers, policy, sampling and reuse; a flag set to other than its default "
                            "overrides it")),
          models=True, db="DuckDB file for the run; '' stores nothing")
 def cmd_generate(a: argparse.Namespace) -> int:
+    from engine.oracles.suffix import check_budget
     from engine.runtime.models import device_name
     from engine.runtime.prefix_cache import PrefixCache
-    from engine.service.runs import Request, check, keep, open_generation
+    from engine.service.runs import Request, check, keep, open_generation, suffix_history
 
     if a.config:
         _apply_config(a, _tuned(a, "generate"))
@@ -40,9 +44,12 @@ def cmd_generate(a: argparse.Namespace) -> int:
                   a.kv_tier, reuse=not a.no_reuse)
     check(req)  # before loading models: a typo should fail in milliseconds
     prefix = PrefixCache(int(a.prefix_budget * 2**20))  # a budget ≤ 0 fails here, before any model loads
+    check_budget(a.suffix_budget, "--suffix-budget")
     open_or_fail(a.db)
     pair = load(a, a.target_tier, progress=lambda m: None)
     gen = open_generation(pair, req, a.db, prefix=prefix, say=say)  # speckv/rakv: costs, controller
+    if "suffix" in gen.proposers:  # read only where it is used: one process, one run
+        gen.history = suffix_history(a.db, pair, a.suffix_budget)
     shown = ""
     for _ in gen:
         if not a.json:  # stream: print what the new tokens add to the decoded text

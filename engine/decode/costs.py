@@ -53,7 +53,7 @@ class CostTable:
     # reads the latter row by row: per token, nearly a drafted token's price. None: not measured.
     cold_read_ms: list[float] | None = None
     warm_read_ms: list[float] | None = None
-    # The proposers other than the draft model ("eagle", "ngram"), same buckets; the draft's are
+    # The proposers other than the draft model ("eagle", "ngram", "suffix"), same buckets; the draft's are
     # the fields above. Tables measured before proposers had names hold the draft's alone.
     proposer_costs: dict[str, DraftCost] = field(default_factory=dict)
 

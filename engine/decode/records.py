@@ -7,11 +7,25 @@ from dataclasses import dataclass, field
 
 K_MAX = 8  # longest draft any policy may ask for: the acceptance traces record L(p) up to 8
 ALPHA_DECAY = 0.8  # EWMA weight of the past in the acceptance estimate: ~5 steps of memory
+
+
+class Positive(int):
+    """An option that counts something (the suffix history's budget in tokens): an integer ≥ 1,
+    so that `@suffix:budget=0` fails where the spec is parsed, before any model loads."""
+
+    def __new__(cls, value: object) -> "Positive":
+        number = int(value)  # type: ignore[call-overload]
+        if number < 1:
+            raise ValueError(f"{number} is not positive")
+        return super().__new__(cls, number)
+
+
 # The proposers a run may draft with, in their canonical order (a run's, a trace's), and the
 # options each takes in a policy spec (`fixed:3@ngram:max=3,min=2`); engine/oracles/__init__.py
 # builds them. Here, not there, so that parsing a policy loads no model code.
 # draft:vocab=K: the draft's LM head cut to the K most frequent target tokens (engine/runtime/vocab_head.py).
-PROPOSER_OPTIONS: dict[str, dict[str, type]] = {"draft": {"vocab": int}, "eagle": {}, "ngram": {"max": int, "min": int}}
+PROPOSER_OPTIONS: dict[str, dict[str, type]] = {"draft": {"vocab": int}, "eagle": {}, "ngram": {"max": int, "min": int},
+                                                "suffix": {"budget": Positive, "depth": int, "prob": float}}
 PROPOSER_NAMES = tuple(PROPOSER_OPTIONS)
 # What a proposer's `lookahead()` says when a model drafts: it can propose any number of tokens.
 UNBOUNDED = 1 << 30

@@ -21,7 +21,7 @@ from engine.decode.records import (
 
 
 class Proposer(Protocol):
-    name: str  # the run's key for it: "draft", "eagle", "ngram" (engine/oracles/__init__.py)
+    name: str  # the run's key for it: "draft", "eagle", "ngram", "suffix" (engine/oracles/__init__.py)
     unread: tuple[int, int]  # context tokens its next draft reads first: (into an empty cache, after its cache)
 
     def lookahead(self) -> int:

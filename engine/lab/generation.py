@@ -15,6 +15,7 @@ from engine.decode.step import Setting, decode, summarize
 from engine.oracles import build, check_proposers
 from engine.oracles.model import TargetVerifier
 from engine.oracles.sampling import Sampler
+from engine.oracles.suffix import SuffixHistory, prompt_key
 from engine.runtime.forward import WallClock
 from engine.runtime.kv.cache import held_bytes_per_token
 from engine.runtime.kv.calibration import CodecKit
@@ -70,6 +71,10 @@ class Generation:
     policy: Policy
     cfg: GenConfig = field(default_factory=GenConfig)
     prefix: PrefixCache | None = None  # the process's cross-request cache (shared by sessions)
+    # The cross-request history the suffix proposer reads: a live one is read through a snapshot
+    # taken as the run starts and is fed this run's output at its end; a frozen one (a snapshot,
+    # `without`) is only read (Compare gives every policy the same one). None: no history.
+    history: SuffixHistory | None = None
     seed: int | None = field(init=False)  # cfg.seed, or the one drawn for a sampling run
     token_ids: list[int] = field(init=False, default_factory=list)
     records: list[StepRecord] = field(init=False, default_factory=list)
@@ -98,8 +103,9 @@ class Generation:
         prefix = self.prefix if cfg.reuse else None
         verifier = TargetVerifier(pair, self.prompt_ids, sampler, prefix, cfg.kv_tier)  # the draft's cache stays native
         self._verifier = verifier
+        seen = self.history.snapshot() if self.history is not None else None  # what this run's proposals read
         proposers = build(pair, self.prompt_ids, sampler, verifier, self.proposers,
-                          getattr(self.policy, "proposer_options", None))
+                          getattr(self.policy, "proposer_options", None), seen)
         budget = min(cfg.max_new_tokens, pair.max_context - n_prompt)
         clock = WallClock(pair.device)
         t_start = clock()
@@ -119,6 +125,9 @@ class Generation:
             if prefix is not None:  # after the clock: storing is for the next request
                 draft = proposers.get("draft")
                 verifier.remember(draft.cache if draft is not None else None)
+            proposers = seen = None  # the snapshot released: feeding the history need not copy its trie
+            if self.history is not None and not self.history.frozen:
+                self.history.add(prompt_key(self.prompt_ids), self.token_ids)
         stop = "eos" if verifier.ended else "max_new_tokens" if budget == cfg.max_new_tokens else "context"
         self.summary = summarize(self.records, wall_ms, stop, verifier.hit.kind)
 

@@ -47,16 +47,19 @@ def _always(j: int, token: DraftToken) -> bool:
 @torch.inference_mode()
 def trace(pair: ModelPair, prompt: str, task: str | None = None, max_new_tokens: int = 128,
           chat: bool = True, k_max: int = K_MAX, temperature: float | None = None,
-          kv_tier: str = "native", proposers: tuple[str, ...] | None = None) -> Trace:
+          kv_tier: str = "native", proposers: tuple[str, ...] | None = None, history=None) -> Trace:
     """The target's greedy output for `prompt` (its KV cache at `kv_tier`) and every proposer's
     (`proposers`, default: all the pair has) k_max-token proposals along it. With `temperature`,
     each position also gets Σ min(p, q) of the warped first-token laws (the acceptance
-    probability speculative sampling would have there), for proposers whose tokens carry a law."""
+    probability speculative sampling would have there), for proposers whose tokens carry a law.
+    The suffix proposer reads `history` (a SuffixHistory, snapshotted here; None: none), which
+    the row's config describes: a live run replays exactly over the trace when it read the same."""
     ids = encode_prompt(pair.tokenizer, prompt, chat)
     Generation(pair, ids, make_policy("ar"), GenConfig(max_new_tokens=max_new_tokens, kv_tier=kv_tier))  # checks them as a run does
     sampler = Sampler(0.0, 1.0, None, pair.device)
     verifier = TargetVerifier(pair, ids, sampler, kv_tier=kv_tier)
-    props = build(pair, ids, sampler, verifier, proposers)
+    seen = history.snapshot() if history is not None else None
+    props = build(pair, ids, sampler, verifier, proposers, history=seen)
     # Plain decoding, as `ar` runs it: the same budget, the same target steps, so `out` is
     # exactly what plain decoding emits at this KV tier. Before each step every proposer drafts
     # k_max tokens from the context and is then told that none stood (update(0, [token])): a
@@ -81,6 +84,8 @@ def trace(pair: ModelPair, prompt: str, task: str | None = None, max_new_tokens:
                draft_tier=pair.draft_tier, kv_tier=kv_tier, device=device_name(pair.device), prompt=prompt, task=task, chat=chat,
                max_new_tokens=max_new_tokens, k_max=k_max, prompt_ids=ids, token_ids=out,
                stop_reason=stop, config=dict(temperature=temperature, proposers=list(props)))
+    if "suffix" in props:
+        row["config"]["suffix_history"] = props["suffix"].history.describe()
     return Trace(row, positions)
 
 

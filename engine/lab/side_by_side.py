@@ -23,7 +23,7 @@ SUMMARY_COLUMNS = ["policy", "prompts", "tokens", "tokens_per_s", "ttft_ms", "ac
                    "mean_accepted", "tokens_per_step", "proposers"]
 # The proposers every pair has (an EAGLE head is the pair's own: `proposers_of`), offered by the
 # policy selectors before a pair is loaded.
-BASE_PROPOSERS = ("draft", "ngram")
+BASE_PROPOSERS = ("draft", "ngram", "suffix")
 
 
 @dataclass

@@ -1,6 +1,7 @@
 """The two oracles the step loop (decode/step.py) walks: proposers and verifiers backed by live
-models (model.py, eagle.py, ngram.py) or by stored acceptance traces (trace.py); the verification
-math apart from every proposer (sampling.py: greedy acceptance, rejection sampling).
+models (model.py, eagle.py) or by counts of the text itself (ngram.py, suffix.py: no model), or by
+stored acceptance traces (trace.py); the verification math apart from every proposer (sampling.py:
+greedy acceptance, rejection sampling).
 
 `PROPOSERS` builds a run's proposers by name (docs/architecture.md, "Oracles"); each factory
 imports its class only when called, so that this package (which trace.py and replay import)
@@ -13,11 +14,12 @@ from typing import Callable
 
 from engine.decode.records import PROPOSER_NAMES
 
-# factory(pair, prompt_ids, sampler, verifier, options as written in the policy spec) → Proposer
-Factory = Callable[[object, list[int], object, object, dict[str, str]], object]
+# factory(pair, prompt_ids, sampler, verifier, options as written in the policy spec, the
+# cross-request suffix history the run reads or None) → Proposer
+Factory = Callable[[object, list[int], object, object, dict[str, str], object], object]
 
 
-def _draft(pair, prompt_ids: list[int], sampler, verifier, options: dict[str, str]):
+def _draft(pair, prompt_ids: list[int], sampler, verifier, options: dict[str, str], history=None):
     from engine.oracles.model import DraftModelProposer
     from engine.runtime.vocab_head import sub_head
 
@@ -31,7 +33,7 @@ def _no_eagle(pair) -> str:
             "`python -m engine distill --kind eagle` makes one)")
 
 
-def _eagle(pair, prompt_ids: list[int], sampler, verifier, options: dict[str, str]):
+def _eagle(pair, prompt_ids: list[int], sampler, verifier, options: dict[str, str], history=None):
     if getattr(pair, "eagle", None) is None:
         raise ValueError(_no_eagle(pair))
     from engine.oracles.eagle import EagleProposer
@@ -39,19 +41,25 @@ def _eagle(pair, prompt_ids: list[int], sampler, verifier, options: dict[str, st
     return EagleProposer(pair, prompt_ids, sampler, verifier)
 
 
-def _ngram(pair, prompt_ids: list[int], sampler, verifier, options: dict[str, str]):
+def _ngram(pair, prompt_ids: list[int], sampler, verifier, options: dict[str, str], history=None):
     from engine.oracles.ngram import NgramProposer
 
     return NgramProposer.from_options(prompt_ids, sampler, pair.vocab_size, options)
 
 
-PROPOSERS: dict[str, Factory] = {"draft": _draft, "eagle": _eagle, "ngram": _ngram}
+def _suffix(pair, prompt_ids: list[int], sampler, verifier, options: dict[str, str], history=None):
+    from engine.oracles.suffix import SuffixProposer
+
+    return SuffixProposer.from_options(prompt_ids, sampler, pair.vocab_size, options, history)
+
+
+PROPOSERS: dict[str, Factory] = {"draft": _draft, "eagle": _eagle, "ngram": _ngram, "suffix": _suffix}
 assert tuple(PROPOSERS) == PROPOSER_NAMES, "engine/decode/records.py lists the proposers in this order"
 
 
 def available(pair) -> tuple[str, ...]:
     """The proposers `pair` can run, in the canonical order: the draft model, its EAGLE head
-    when one is loaded, the n-gram lookup."""
+    when one is loaded, the n-gram lookup, the suffix counts."""
     return tuple(n for n in PROPOSERS if n != "eagle" or getattr(pair, "eagle", None) is not None)
 
 
@@ -70,8 +78,10 @@ def check_proposers(pair, names: tuple[str, ...] | None) -> tuple[str, ...]:
 
 
 def build(pair, prompt_ids: list[int], sampler, verifier, names: tuple[str, ...] | None,
-          options: dict[str, dict[str, str]] | None = None) -> dict:
-    """name → Proposer for a run: `names` (None: every one the pair has), canonical order."""
+          options: dict[str, dict[str, str]] | None = None, history=None) -> dict:
+    """name → Proposer for a run: `names` (None: every one the pair has), canonical order.
+    `history`: the cross-request SuffixHistory the suffix proposer reads (None: none), frozen
+    by the caller for the run (Generation takes its snapshot)."""
     options = options or {}
-    return {n: PROPOSERS[n](pair, prompt_ids, sampler, verifier, options.get(n, {}))
+    return {n: PROPOSERS[n](pair, prompt_ids, sampler, verifier, options.get(n, {}), history)
             for n in check_proposers(pair, names)}

@@ -7,6 +7,7 @@ engine.training, store. Torch-free at import: a function that runs models import
 from __future__ import annotations
 
 from engine.lab.whatif import tier_label
+from engine.oracles.suffix import SUFFIX_BUDGET, SuffixHistory
 from engine.service.cost_tables import (
     ALPHA_MIN_STEPS,
     calibrate_all,
@@ -32,11 +33,13 @@ from engine.service.runs import (
     Request,
     check,
     generate,
+    greedy_history,
     keep,
     latest_live_run,
     open_generation,
     run_policies,
     store_run,
+    suffix_history,
 )
 from engine.service.sweeps import (
     TRACE_POLICIES,
@@ -51,7 +54,8 @@ from engine.service.sweeps import (
 )
 
 __all__ = [
-    "Request", "check", "generate", "keep", "open_generation", "run_policies",
+    "Request", "check", "generate", "keep", "open_generation", "run_policies", "SUFFIX_BUDGET", "SuffixHistory",
+    "greedy_history", "suffix_history",
     "ALPHA_MIN_STEPS", "MEASURE_KV_MINUTES", "TRACE_IDENTITY", "TRACE_POLICIES", "calibrate_all", "calibrate_costs",
     "context_for", "controller_loader", "cost_key", "cost_table", "format_sweep", "format_tune", "kv_view",
     "latest_kv_measurement", "latest_live_run", "measure_kv", "newest_traces", "parse_kv_tiers", "parse_tiers",

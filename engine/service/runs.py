@@ -11,11 +11,12 @@ from __future__ import annotations
 
 import os
 from dataclasses import asdict, dataclass, replace
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Collection, Sequence
 
 from engine.decode.policies import DEFAULT_POLICY, make_policy, parse_policy
 from engine.lab.side_by_side import Result, check_policies, shared_seed
 from engine.lab.slots import decode_slot
+from engine.oracles.suffix import SUFFIX_BUDGET, SuffixHistory, check_budget, prompt_key
 from engine.service.cost_tables import context_for
 from store import Store
 
@@ -66,17 +67,18 @@ def check(req: Request) -> None:
 
 
 def open_generation(pair, req: Request, db: str | None = None, context: Any = AUTO, prefix=None,
-                    say: Callable[[str], None] = lambda m: None, prompt_ids: list[int] | None = None):
+                    say: Callable[[str], None] = lambda m: None, prompt_ids: list[int] | None = None, history=None):
     """The request's Generation, ready to stream or run: the prompt encoded (or `prompt_ids`, the
     same prompt encoded once by a benchmark that hands the ids to a peer too), the policy made with
-    its context (`context`, or read from `db` for the policies that weigh costs)."""
+    its context (`context`, or read from `db` for the policies that weigh costs). `history`: the
+    cross-request SuffixHistory the suffix proposer reads (a live one is fed the output at the end)."""
     from engine.lab.generation import Generation, encode_prompt
 
     parse_policy(req.policy)  # check(req), keeping the config it makes
     cfg = req.config()
     ctx = context_for(db or "", pair, req.policy, say, req.kv_tier) if context is AUTO else context
     ids = prompt_ids if prompt_ids is not None else encode_prompt(pair.tokenizer, req.prompt, req.chat)
-    return Generation(pair, ids, make_policy(req.policy, ctx), cfg, prefix)
+    return Generation(pair, ids, make_policy(req.policy, ctx), cfg, prefix, history)
 
 
 def run_row(gen, req: Request) -> dict[str, Any]:
@@ -104,40 +106,93 @@ def keep(gen, req: Request, db: "str | Store | None" = None, wait_s: float = 10.
 
 def run_policies(pair, prompts: Sequence[str], policies: Sequence[str], req: Request, ctx_for: Callable[[str], Any],
                  prefix=None, on_run: Callable[[Result], None] = lambda r: None,
-                 on_wait: Callable[[str], None] = lambda busy: None) -> list[Result]:
+                 on_wait: Callable[[str], None] = lambda busy: None, history=None) -> list[Result]:
     """Compare's runs: every policy on every prompt, prompt-major, one run at a time, each inside
     the decode slot (`on_wait(holder)` is called when another decode holds it), each from `req`
     with its prompt and policy. `ctx_for(spec)` gives the PolicyContext a spec needs (None for
     most). Each policy gets a fresh Policy per run (adaptive ones learn within a run) and the same
     config, seed included. `on_run` sees each run as it ends (the page stores it there). A prefix
     cache, if given, is shared by the runs: the later policies would then find the earlier ones'
-    prompts, so the page passes None for a fair TTFT."""
+    prompts, so the page passes None for a fair TTFT. A suffix history, if given, is read by every
+    run as it stood before the comparison (a later policy must not find an earlier one's output
+    of the same prompt) and fed the outputs once all have run."""
     specs = check_policies(policies)
     for spec in specs:  # a bad spec or a missing controller fails before the first decode
         make_policy(spec, ctx_for(spec))
     req = shared_seed(req)
     check(req)
     out: list[Result] = []
+    before = history.snapshot() if history is not None else None
+    outputs: dict[str, list[int]] = {}  # prompt key → an output, fed after the comparison
     for i, prompt in enumerate(prompts):
         for spec in specs:
             one = replace(req, prompt=prompt, policy=spec)
-            gen = open_generation(pair, one, context=ctx_for(spec), prefix=prefix)
+            gen = open_generation(pair, one, context=ctx_for(spec), prefix=prefix, history=before)
             with decode_slot(f"a comparison ({spec})", on_wait):
                 gen.run()
+            outputs.setdefault(prompt_key(gen.prompt_ids), gen.token_ids)
             kept = keep(gen, one)
             res = Result(spec, prompt, i, kept.row, kept.steps)
             out.append(res)
             on_run(res)
+    if history is not None:
+        before = None  # released: feeding need not copy the trie
+        for key, tokens in outputs.items():
+            history.add(key, tokens)
     return out
 
 
 def generate(pair, req: Request, db: "str | Store | None" = None, context: Any = AUTO, prefix=None,
-             say: Callable[[str], None] = lambda m: None) -> tuple[Any, Kept]:
+             say: Callable[[str], None] = lambda m: None, history=None) -> tuple[Any, Kept]:
     """Runs one request to its end and stores it: (the Generation, what was kept). With an open
     Store as `db`, `context` must be given (the file is already open: nothing else reads it)."""
     assert not (isinstance(db, Store) and context is AUTO), "pass the context with an open Store"
-    gen = open_generation(pair, req, None if isinstance(db, Store) else db, context, prefix, say).run()
+    gen = open_generation(pair, req, None if isinstance(db, Store) else db, context, prefix, say,
+                          history=history).run()
     return gen, keep(gen, req, db)
+
+
+def suffix_history(db: "str | Store", pair, budget: int = SUFFIX_BUDGET,
+                   prompts: Collection[str] | None = None) -> SuffixHistory:
+    """A cross-request suffix history holding the outputs of the runs `db` (a path or an open
+    Store) holds for this pair's target (of `prompts` only, when given), the newest that fit in
+    `budget` tokens: what a process (the CLI's `generate`, one run each) starts from, so that it
+    finds what earlier requests produced. Empty without a file."""
+    from engine.lab.generation import encode_prompt
+
+    check_budget(budget, "--suffix-budget")
+    if isinstance(db, Store):
+        runs = db.runs(target=pair.target_name)
+    elif file_missing(db):
+        return SuffixHistory(budget)
+    else:
+        with Store(db, wait_s=3.0) as st:
+            runs = st.runs(target=pair.target_name)
+    items: dict[str, list[int]] = {}  # key → output, newest first until the budget is full; a prompt once
+    held = 0
+    for r in reversed(runs.to_dict("records")) if len(runs) else ():
+        if held >= budget:
+            break
+        tokens = r.get("token_ids")
+        if (isinstance(r.get("error"), str) or not r.get("prompt") or tokens is None or not len(tokens)
+                or (prompts is not None and r["prompt"] not in prompts)):
+            continue
+        key = prompt_key(encode_prompt(pair.tokenizer, r["prompt"], bool(r.get("chat"))))
+        if key not in items:
+            items[key] = [int(t) for t in tokens]
+            held += len(tokens)
+    return SuffixHistory.from_outputs(reversed(list(items.items())), budget)
+
+
+def greedy_history(pair, prompts: Sequence[str], max_new_tokens: int, budget: int = SUFFIX_BUDGET) -> SuffixHistory:
+    """A suffix history of the target's greedy outputs for `prompts` (`ar` runs, nothing stored): a
+    benchmark's warm history. Greedy outputs repeat exactly, so a benchmark reads it `without` the
+    timed prompt's key (`prompt_key`): a configuration never learns from its own prompt's answer."""
+    items = []
+    for prompt in prompts:
+        gen = open_generation(pair, Request(prompt, "ar", max_new_tokens=max_new_tokens), context=None).run()
+        items.append((prompt_key(gen.prompt_ids), gen.token_ids))
+    return SuffixHistory.from_outputs(items, budget)
 
 
 def file_missing(db: str) -> bool:

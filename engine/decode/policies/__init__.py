@@ -22,7 +22,7 @@ from engine.decode.policies.rakv import RakvPolicy
 from engine.decode.policies.rules import RulesPolicy
 from engine.decode.policies.speckv import SpeckvPolicy
 from engine.decode.policies.threshold import ThresholdPolicy
-from engine.decode.records import K_MAX, PROPOSER_NAMES, PROPOSER_OPTIONS
+from engine.decode.records import K_MAX, PROPOSER_NAMES, PROPOSER_OPTIONS, Positive
 
 
 @dataclass
@@ -112,7 +112,8 @@ def parse_proposers(text: str) -> tuple[tuple[str, ...], dict[str, dict[str, str
     return tuple(names), options
 
 
-_KINDS = {int: "an integer", float: "a number"}  # how an option's type reads in an error
+# How an option's type reads in an error.
+_KINDS = {int: "an integer", float: "a number", Positive: "a positive integer"}
 
 
 def _options(name: str, text: str) -> dict[str, str]:

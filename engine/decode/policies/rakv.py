@@ -30,8 +30,10 @@ ALPHA0 = 0.6
 # as not, and free to draft, so 0.5 lets a match be tried; with no accepted token the prior's
 # weight (PRIOR_TRIALS against an EWMA of at most 5 trials) keeps α ≥ 0.22, below what one
 # verified token costs against a plain step at bf16 (48.7 / 38.9 ms: α > 0.25), so a text
-# that never repeats itself stops being tried. A feature-level head starts where a draft does.
-PRIORS = {"ngram": 0.5, "eagle": ALPHA0}
+# that never repeats itself stops being tried. The suffix proposer's path is a copy too (of the
+# most frequent continuation), cut where its own estimate falls below 0.3: the same prior. A
+# feature-level head starts where a draft does.
+PRIORS = {"ngram": 0.5, "suffix": 0.5, "eagle": ALPHA0}
 
 
 def proposers_for(policy, state: DecodeState) -> tuple[str, ...]:
