@@ -96,51 +96,40 @@ def register() -> str:
 
 
 def _rowwise_linear(self: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
-    """While verifying, rows in chunks of the sizes the probe found to round every row as it
-    rounds alone (`speclab_invariant_rows`; 1 always does): a 9-row read whose linear is
-    row-variant at 9 rows but not at 5 and 4 takes two forwards, not nine."""
     if not _VERIFYING.get() or x.numel() == x.shape[-1]:
         return F.linear(x, self.weight, self.bias)
     rows = x.reshape(-1, x.shape[-1])  # [B·S, in]
-    sizes, out, i = self.speclab_invariant_rows, [], 0
-    while i < len(rows):
-        n = max(s for s in sizes if s <= len(rows) - i)
-        out.append(F.linear(rows[i : i + n].clone(), self.weight, self.bias))  # a fresh block, as the probe's
-        i += n
-    return torch.cat(out).reshape(*x.shape[:-1], -1)
+    out = torch.cat([F.linear(rows[r : r + 1].clone(), self.weight, self.bias) for r in range(len(rows))])
+    return out.reshape(*x.shape[:-1], -1)
 
 
-def _invariant_rows(linear: torch.nn.Linear) -> tuple[int, ...]:
-    """The row counts in 1…PROBE_ROWS at which each row of one `linear` rounds as it does alone."""
+def _row_variant(linear: torch.nn.Linear) -> bool:
+    """Does one row alone round differently from the same row among others?"""
     gen = torch.Generator(device=linear.weight.device).manual_seed(0)
     w, b = linear.weight, linear.bias
-    sizes = [1]
-    for m in range(2, PROBE_ROWS + 1):
-        for _ in range(PROBE_TRIALS):
-            x = torch.randn(m, w.shape[1], generator=gen, device=w.device).to(w.dtype)
-            full = F.linear(x, w, b)
-            if any(not torch.equal(F.linear(x[r : r + 1].clone(), w, b)[0], full[r]) for r in range(m)):
-                break
-        else:
-            sizes.append(m)
-    return tuple(sizes)
+    for _ in range(PROBE_TRIALS):
+        x = torch.randn(PROBE_ROWS, w.shape[1], generator=gen, device=w.device).to(w.dtype)
+        full = F.linear(x, w, b)
+        if any(not torch.equal(F.linear(x[r : r + 1].clone(), w, b)[0], full[r]) for r in range(PROBE_ROWS)):
+            return True
+    return False
 
 
 @torch.inference_mode()
 def make_verify_exact(model: torch.nn.Module) -> int:
     """Patches the row-variant linears of `model` (plain nn.Linear only; quantized layers are
-    left alone; docs/architecture.md, "Exactness and invariance") to run, while verifying, in
-    chunks of the row counts at which they are row-invariant. Returns how many."""
-    verdict: dict[tuple, tuple[int, ...]] = {}
+    left alone; docs/architecture.md, "Exactness and invariance") to run row by row while
+    verifying. Returns how many."""
+    verdict: dict[tuple, bool] = {}
     patched = 0
     for m in model.modules():
         if type(m) is not torch.nn.Linear:
             continue
         shape = (tuple(m.weight.shape), m.weight.dtype, m.bias is not None, m.weight.device)
         if shape not in verdict:
-            verdict[shape] = _invariant_rows(m)
-        if len(verdict[shape]) < PROBE_ROWS:
-            m.forward, m.speclab_invariant_rows = types.MethodType(_rowwise_linear, m), verdict[shape]
+            verdict[shape] = _row_variant(m)
+        if verdict[shape]:
+            m.forward = types.MethodType(_rowwise_linear, m)
             patched += 1
     return patched
 

@@ -21,6 +21,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import types
+import weakref
 from typing import Iterator
 
 import torch
@@ -45,10 +46,17 @@ def _mm(self: torch.nn.Linear, rows: torch.Tensor) -> torch.Tensor:
     return torch.mm(self.weight, rows.t()).t()  # [out, in] @ [in, M] → [M, out]
 
 
+# linear → (its weight's version, the weight in oneDNN's blocked layout): beside the module, not in
+# it, so that copying or saving a model never meets an opaque tensor; a weight changed in place
+# (a new version) is reordered again.
+_PACKED: "weakref.WeakKeyDictionary[torch.nn.Linear, tuple[int, torch.Tensor]]" = weakref.WeakKeyDictionary()
+
+
 def _onednn(self: torch.nn.Linear, rows: torch.Tensor) -> torch.Tensor:
-    packed = self.__dict__.get("speclab_onednn_weight")
-    if packed is None:  # reordered at the first long verify: one copy of the weight per linear
-        packed = self.speclab_onednn_weight = self.weight.detach().to_mkldnn()
+    version, packed = _PACKED.get(self, (-1, None))
+    if version != self.weight._version:  # reordered at the first long verify: one copy per linear
+        packed = self.weight.detach().to_mkldnn()
+        _PACKED[self] = (self.weight._version, packed)
     return torch._C._nn.mkldnn_linear(rows.contiguous().to_mkldnn(), packed, None).to_dense()
 
 
