@@ -72,9 +72,10 @@ def test_training_lowers_the_loss_and_writes_a_draft(trained):
     cfg, out = trained
     meta = json.loads((Path(out) / MARKER).read_text())
     log = json.loads((Path(cfg.work) / "ckpt.json").read_text())["log"]
-    assert meta["steps"] == cfg.steps == len(log)
-    first = sum(r["loss"] for r in log[:5]) / 5
-    last = sum(r["loss"] for r in log[-5:]) / 5
+    steps = [r for r in log if "loss" in r]  # the first record is the draft before training: step 0
+    assert meta["steps"] == cfg.steps == len(steps) and log[0]["step"] == 0
+    first = sum(r["loss"] for r in steps[:5]) / 5
+    last = sum(r["loss"] for r in steps[-5:]) / 5
     assert last < 0.8 * first, (first, last)
     assert (Path(out) / WEIGHTS).exists() and meta["init_layers"] == [0, 1]
 
@@ -124,7 +125,7 @@ def test_ctrl_c_keeps_a_checkpoint_and_a_rerun_resumes(tiny_dirs, tmp_path, trai
     for name, p in ours.items():
         if p.requires_grad:
             assert torch.equal(p, theirs[name]), name
-    assert [e["loss"] for e in summary["log"]] == [e["loss"] for e in whole_summary["log"]]
+    assert [e.get("loss") for e in summary["log"]] == [e.get("loss") for e in whole_summary["log"]]
 
 
 def test_bad_layers_are_refused(tiny_dirs):
@@ -143,3 +144,55 @@ def test_training_can_continue_from_a_shipped_draft(trained, tiny_dirs, tmp_path
     nxt = distill.run(cfg, progress=Bar, say=lambda m: None)
     meta = json.loads((Path(nxt) / MARKER).read_text())
     assert meta["continued_from"] == str(out) and meta["init_layers"] == [0, 1]  # the draft's own layers
+
+
+def test_the_card_carries_agreement_against_cpu_minutes(trained):
+    cfg, out = trained
+    meta = json.loads((Path(out) / MARKER).read_text())
+    curve = meta["curve"]
+    # The draft before training, every evaluation (eval_every = 20), and the end, in CPU-minutes.
+    assert [p["step"] for p in curve] == [0, 20, 40] and curve[0]["cpu_min"] == 0
+    assert all(a["cpu_min"] <= b["cpu_min"] for a, b in zip(curve, curve[1:])) and curve[-1]["cpu_min"] > 0
+    assert all(0 <= p["heldout_agreement"] <= 1 for p in curve)
+    assert curve[-1]["heldout_agreement"] == round(meta["heldout_agreement"], 4)
+    assert "0 min" in distill.format_curve(curve)
+
+
+def test_answers_kept_as_ids_rebuild_the_data_without_generating(tiny_dirs, tmp_path, monkeypatch):
+    ids = tmp_path / "ids.safetensors"
+    first = _cfg(tiny_dirs, tmp_path, work=str(tmp_path / "a"), stage="data", teacher_tier="fp32", ids=str(ids),
+                 sharegpt_prompts=5)
+    data_a = distill.run(first, progress=Bar, say=lambda m: None)
+    assert ids.exists() and any(p.name.startswith("real-") for p in data_a.glob("*.safetensors"))
+
+    def no_generation(*a, **k):
+        raise AssertionError("answers kept in the ids file were generated again")
+
+    monkeypatch.setattr(distill, "respond", no_generation)
+    again = _cfg(tiny_dirs, tmp_path, work=str(tmp_path / "b"), stage="data", teacher_tier="fp32", ids=str(ids),
+                 sharegpt_prompts=5)
+    data_b = distill.run(again, progress=Bar, say=lambda m: None)
+    names = sorted(p.name for p in data_a.glob("*.safetensors"))
+    assert names == sorted(p.name for p in data_b.glob("*.safetensors"))
+    for name in names:  # the same sequences, and the target's view of them rebuilt by teacher forcing
+        a, b = distill.Shard.load(data_a / name), distill.Shard.load(data_b / name)
+        assert torch.equal(a.tokens, b.tokens) and torch.equal(a.label_start, b.label_start), name
+        assert torch.equal(a.topk_idx[:, 0], b.topk_idx[:, 0]), name
+        torch.testing.assert_close(a.topk_logp.float(), b.topk_logp.float(), atol=2e-2, rtol=0)
+
+
+def test_an_ids_file_for_other_answers_is_refused_in_one_line(tiny_dirs, tmp_path):
+    ids = tmp_path / "ids.safetensors"
+    distill.run(_cfg(tiny_dirs, tmp_path, work=str(tmp_path / "a"), stage="data", ids=str(ids)),
+                progress=Bar, say=lambda m: None)
+    kept = ids.read_bytes()
+    cases = [(dict(prompts_per_task=2), "answers other prompts"), (dict(max_new_tokens=7), "holds answers made with")]
+    for i, (kw, message) in enumerate(cases):
+        cfg = _cfg(tiny_dirs, tmp_path, work=str(tmp_path / f"w{i}"), stage="data", ids=str(ids), **kw)
+        with pytest.raises(ValueError, match=message):
+            distill.run(cfg, progress=Bar, say=lambda m: None)
+    assert ids.read_bytes() == kept  # nothing stored changed
+    ids.write_bytes(b"not a safetensors file")
+    with pytest.raises(ValueError, match="is not a distill ids file"):
+        distill.run(_cfg(tiny_dirs, tmp_path, work=str(tmp_path / "c"), stage="data", ids=str(ids)),
+                    progress=Bar, say=lambda m: None)

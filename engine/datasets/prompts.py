@@ -102,6 +102,23 @@ def real_heldout(per_task: int) -> dict[str, list[str]]:
     return out
 
 
+@lru_cache(maxsize=4)
+def real_training(n: int) -> tuple[str, ...]:
+    """Up to `n` real requests to train on: the opening user turns of ShareGPT V3 conversations
+    from the EAGLE head's sample (before SHAREGPT_TRAINED; `real_heldout` draws from past it, so
+    the two never meet), plain ASCII, 20 to 1,500 characters, in the data's order."""
+    from engine.datasets.sharegpt import conversations
+
+    out: list[str] = []
+    for i, msgs in enumerate(conversations(min_turns=2)):
+        text = msgs[0]["content"].strip()
+        if i >= SHAREGPT_TRAINED or len(out) == n:
+            break
+        if text.isascii() and 20 <= len(text) <= 1500 and text not in out:
+            out.append(text)
+    return tuple(out)
+
+
 # -- templates for training prompts ------------------------------------------------------------
 _LANGS = ["Python", "Python", "Python", "JavaScript", "TypeScript", "Go", "Rust", "Java", "C", "C++", "Ruby", "bash"]
 _CODE_TASKS = [

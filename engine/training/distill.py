@@ -2,13 +2,17 @@
 
 Stages (each resumable; a rerun skips what is done):
 1. data: the target's own greedy responses to the project's training prompts (batched
-   generation), with the target's top-k log-probabilities at every response position, plus
-   plain text on every machine (the Python docs) with the target's top-k over it. Held-out
-   prompts get responses too, for evaluation only.
+   generation) and, with --sharegpt-prompts, to real requests (ShareGPT's opening turns), with
+   the target's top-k log-probabilities at every response position, plus plain text on every
+   machine (the Python docs) with the target's top-k over it. Held-out prompts get responses
+   too, for evaluation only. With --ids, the responses' token ids are kept in one compact file
+   (a few MB: it can be committed) and read back on the next machine, where one teacher-forced
+   pass per sequence rebuilds the top-k instead of generating again.
 2. train: a few layers initialised from chosen target layers learn, with the target's embedding
    and head frozen, to match the target: cross-entropy on its greedy token (what acceptance
    rewards) plus KL on its top-k. AdamW, warm-up + cosine, checkpoints as safetensors + JSON.
-3. the draft directory (engine/runtime/draft_model.py) with a card of how it was made and what it measured.
+3. the draft directory (engine/runtime/draft_model.py) with a card of how it was made and what it
+   measured, held-out agreement against CPU-minutes of training (`curve`) included.
 """
 from __future__ import annotations
 
@@ -47,6 +51,12 @@ class DistillConfig:
     gen_batch: int = 32  # batched generation is far faster per token than one at a time
     top_k: int = 32  # teacher log-probs kept per position for the KL term
     text_docs: int = 300  # Python-docs paragraphs added as plain text (off-policy seasoning)
+    sharegpt_prompts: int = 0  # real requests (ShareGPT opening turns, prompts.real_training) answered by the
+    #                            target beside the templates; real held-out prompts are never among them
+    heldout_per_task: int = 10  # agreement is measured on these: the held-out file's 10 a task, then real
+    #                             prompts nothing trains on (prompts.heldout)
+    ids: str | None = None  # compact token ids of every response (prompt + greedy answer): read where the
+    #                         file exists (a teacher-forced pass instead of generation), written where not
     steps: int = 3000  # optimizer steps
     batch_tokens: int = 4096  # loss positions per step (a step packs whole sequences)
     lr: float = 1e-3
@@ -65,13 +75,16 @@ class DistillConfig:
     def validate(self) -> None:
         if not self.layers:
             raise ValueError("--layers needs at least one target layer index")
-        for name in ("steps", "batch_tokens", "gen_batch", "top_k", "max_new_tokens", "ckpt_every"):
+        for name in ("steps", "batch_tokens", "gen_batch", "top_k", "max_new_tokens", "ckpt_every",
+                     "heldout_per_task"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be ≥ 1, got {getattr(self, name)}")
         if self.stage not in ("all", "data"):
             raise ValueError(f"stage must be all or data, got {self.stage!r}")
         if not self.lr > 0:
             raise ValueError(f"lr must be > 0, got {self.lr}")
+        if self.sharegpt_prompts < 0:
+            raise ValueError(f"sharegpt_prompts must be ≥ 0, got {self.sharegpt_prompts}")
 
 
 # -- data ----------------------------------------------------------------------------------------
@@ -137,14 +150,22 @@ def respond(target, tokenizer, prompts: list[str], max_new: int, k: int, eos_ids
 
 
 @torch.inference_mode()
+def teach(target, seqs: list[list[int]], starts: list[int], k: int) -> Shard:
+    """Top-k of the target at every labelled position of whole sequences (tokens starts[i]
+    onwards), one teacher-forced forward each: what `respond` records, without generating."""
+    device = next(target.parameters()).device
+    idx_rows, logp_rows = [], []
+    for toks, start in zip(seqs, starts):
+        assert 1 <= start < len(toks), (start, len(toks))
+        logits = target(torch.tensor([toks], device=device)).logits[0, start - 1:-1]  # [S - start, V]
+        idx, logp = _topk(logits, k)
+        idx_rows.append(idx.cpu()), logp_rows.append(logp.cpu())
+    return _shard(seqs, starts, idx_rows, logp_rows)
+
+
 def teach_text(target, token_lists: list[list[int]], k: int) -> Shard:
     """Top-k of the target at every position of plain texts (labels from the second token)."""
-    idx_rows, logp_rows = [], []
-    for toks in token_lists:
-        logits = target(torch.tensor([toks])).logits[0, :-1]  # [S-1, V]: predicts tokens 1..S-1
-        idx, logp = _topk(logits, k)
-        idx_rows.append(idx), logp_rows.append(logp)
-    return _shard(token_lists, [1] * len(token_lists), idx_rows, logp_rows)
+    return teach(target, token_lists, [1] * len(token_lists), k)
 
 
 def _shard(seqs, starts, idx_rows, logp_rows) -> Shard:
@@ -157,33 +178,115 @@ def _shard(seqs, starts, idx_rows, logp_rows) -> Shard:
     )
 
 
-def build_data(cfg: DistillConfig, target, tokenizer, eos_ids, progress) -> Path:
-    """Writes shards under work/data, round by round; shards already there are kept (resumable)."""
+HELDOUT_FILE_PER_TASK = 10  # the held-out file's prompts a task; their shards keep the name heldout-*
+
+
+def heldout_prefix(cfg: DistillConfig) -> str:
+    return "heldout" if cfg.heldout_per_task == HELDOUT_FILE_PER_TASK else f"heldout{cfg.heldout_per_task}"
+
+
+class ResponseIds:
+    """The token ids of every response shard (prompt + greedy answer, where labels start), in one
+    safetensors file: ~4 bytes a token, so a whole data stage's generations fit in a few MB. The
+    shards' top-k is not kept: one teacher-forced pass (`teach`) rebuilds it from these ids."""
+
+    KEYS = ("target", "teacher_tier", "max_new_tokens")  # what the stored answers depend on, beside the prompts
+
+    def __init__(self, path: Path, shards: dict[str, tuple[list[list[int]], list[int]]], meta: dict) -> None:
+        self.path, self.shards, self.meta = path, shards, meta
+
+    @staticmethod
+    def config_meta(cfg: DistillConfig) -> dict[str, str]:
+        return {k: str(getattr(cfg, k)) for k in ResponseIds.KEYS}
+
+    @classmethod
+    def read(cls, path: Path, cfg: DistillConfig) -> "ResponseIds":
+        from safetensors import safe_open
+
+        try:
+            with safe_open(str(path), "pt") as f:
+                meta, tensors = f.metadata() or {}, {k: f.get_tensor(k) for k in f.keys()}
+        except Exception as e:  # a torn or foreign file: say which, never half-read it
+            raise ValueError(f"{path} is not a distill ids file ({type(e).__name__}: {e})") from None
+        want = cls.config_meta(cfg)
+        if any(meta.get(k) != v for k, v in want.items()):
+            got = {k: meta.get(k) for k in want}
+            raise ValueError(f"{path} holds answers made with {got}, not {want}: pass another --ids")
+        shards = {}
+        for name in sorted({k.rsplit("/", 1)[0] for k in tensors}):
+            toks, offsets = tensors[f"{name}/tokens"].tolist(), tensors[f"{name}/offsets"].tolist()
+            seqs = [toks[a:b] for a, b in zip(offsets, offsets[1:])]
+            shards[name] = (seqs, tensors[f"{name}/label_start"].tolist())
+        return cls(path, shards, meta)
+
+    def check(self, name: str, prompts: list[list[int]]) -> tuple[list[list[int]], list[int]]:
+        """The stored sequences of shard `name`, if they answer exactly these encoded prompts."""
+        seqs, starts = self.shards[name]
+        if [s[:a] for s, a in zip(seqs, starts)] != prompts:
+            raise ValueError(f"{self.path}: shard {name} answers other prompts than this configuration asks "
+                             "(another --prompts-per-task, --sharegpt-prompts or seed?): pass another --ids")
+        return seqs, starts
+
+    @staticmethod
+    def write(path: Path, data: Path, cfg: DistillConfig) -> int:
+        """Every response shard under `data` (not the plain-text ones: they are the Python docs);
+        returns how many tokens were written."""
+        tensors = {}
+        for shard_path in sorted(data.glob("*.safetensors")):
+            if shard_path.name.startswith("text-"):
+                continue
+            shard = Shard.load(shard_path)
+            name = shard_path.stem
+            tensors.update({f"{name}/tokens": shard.tokens, f"{name}/offsets": shard.offsets,
+                            f"{name}/label_start": shard.label_start})
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(path.name + ".tmp")
+        save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp), metadata=ResponseIds.config_meta(cfg))
+        tmp.replace(path)
+        return sum(int(v.numel()) for k, v in tensors.items() if k.endswith("/tokens"))
+
+
+def build_data(cfg: DistillConfig, target, tokenizer, eos_ids, progress, say=print) -> Path:
+    """Writes shards under work/data, round by round; shards already there are kept (resumable).
+    Answers stored in cfg.ids are teacher-forced instead of generated; new ones are added to it."""
     data = Path(cfg.work) / "data"
     data.mkdir(parents=True, exist_ok=True)
+    ids_path = Path(cfg.ids) if cfg.ids else None
+    stored = ResponseIds.read(ids_path, cfg) if ids_path is not None and ids_path.exists() else None
+    made: list[str] = []
 
-    def answer(chunk: list[str]):
-        return lambda: respond(target, tokenizer, chunk, cfg.max_new_tokens, cfg.top_k, eos_ids)
+    def answers(name: str, prompts: list[str]) -> list[tuple[Path, Callable[[], Shard]]]:
+        jobs = []
+        for i in range(0, len(prompts), cfg.gen_batch):
+            chunk, shard = prompts[i: i + cfg.gen_batch], f"{name}-{i // cfg.gen_batch:04d}"
+            if stored is not None and shard in stored.shards:
+                seqs, starts = stored.check(shard, [encode_prompt(tokenizer, p, chat=True) for p in chunk])
+                jobs.append((data / f"{shard}.safetensors", lambda s=seqs, a=starts: teach(target, s, a, cfg.top_k)))
+            else:
+                made.append(shard)
+                jobs.append((data / f"{shard}.safetensors", lambda c=chunk: respond(
+                    target, tokenizer, c, cfg.max_new_tokens, cfg.top_k, eos_ids)))
+        return jobs
 
-    held = [p for _, p in promptlib.heldout()]
-    jobs = [(data / f"heldout-{i // cfg.gen_batch:04d}.safetensors", answer(held[i: i + cfg.gen_batch]))
-            for i in range(0, len(held), cfg.gen_batch)]
+    jobs = answers(heldout_prefix(cfg), [p for _, p in promptlib.heldout(cfg.heldout_per_task)])
     texts = list(promptlib.stdlib_texts())[: cfg.text_docs]
     for i in range(0, len(texts), 50):
         chunk = [tokenizer(t)["input_ids"][:256] for t in texts[i: i + 50]]
         jobs.append((data / f"text-{i // 50:04d}.safetensors", lambda c=chunk: teach_text(target, c, cfg.top_k)))
+    if cfg.sharegpt_prompts:  # real requests, similar lengths in a batch: less padding
+        jobs += answers("real", sorted(promptlib.real_training(cfg.sharegpt_prompts), key=len))
     seen: frozenset[str] = frozenset()
     for r in range(cfg.data_rounds):
         own = None if r == 0 else promptlib.prose_paragraphs(_answers(data, "train-[0-9]", tokenizer))
         train = [p for _, p in promptlib.training_prompts(cfg.prompts_per_task, cfg.seed, r, own, seen)]
         seen |= set(train)
         name = "train" if r == 0 else f"train-r{r}"  # round 0 keeps the original shard names: old work dirs resume
-        ps = sorted(train, key=len)  # similar lengths share a batch: less padding, still deterministic
-        jobs += [(data / f"{name}-{i // cfg.gen_batch:04d}.safetensors", answer(ps[i: i + cfg.gen_batch]))
-                 for i in range(0, len(ps), cfg.gen_batch)]
+        jobs += answers(name, sorted(train, key=len))  # similar lengths share a batch: still deterministic
         for path, make in progress([j for j in jobs if not j[0].exists()], desc=f"distill data, round {r}", unit="shard"):
             make().save(path)
         jobs = []
+    if ids_path is not None and (stored is None or made):
+        say(f"{ResponseIds.write(ids_path, data, cfg):,} answer tokens kept in {ids_path}")
     return data
 
 
@@ -330,6 +433,8 @@ def optimize(model, opt: torch.optim.Optimizer, cfg, ckpt: "Checkpoint", step: i
     cfg.eval_every steps and at the end, a checkpoint every cfg.ckpt_every. Ctrl-C finishes the
     step, saves and raises KeyboardInterrupt. Returns the last step."""
     params = [p for p in model.parameters() if p.requires_grad]
+    # CPU seconds of training so far (every thread; evaluations left out), carried over a resume
+    cpu_base, cpu_start, eval_cpu = (log[-1].get("cpu_s", 0.0) if log else 0.0), time.process_time(), 0.0
     stop = {"now": False}
     previous = signal.signal(signal.SIGINT, lambda *_: stop.update(now=True))  # finish the step, then save
     model.train()
@@ -344,12 +449,15 @@ def optimize(model, opt: torch.optim.Optimizer, cfg, ckpt: "Checkpoint", step: i
             torch.nn.utils.clip_grad_norm_(params, 1.0)
             opt.step()
             step += 1
-            log.append(dict(step=step, loss=loss.item(), **stats, t=time.time()))
+            log.append(dict(step=step, loss=loss.item(), **stats, t=time.time(),
+                            cpu_s=cpu_base + time.process_time() - cpu_start - eval_cpu))
             bar.update(1)
             bar.set_postfix(**postfix(log[-1]))
             if evaluate is not None and (step % cfg.eval_every == 0 or step == cfg.steps):
                 model.eval()
+                t0 = time.process_time()
                 key, value, message = evaluate()
+                eval_cpu += time.process_time() - t0
                 log[-1][key] = value
                 model.train()
                 say(message.format(step=step))
@@ -368,8 +476,8 @@ def optimize(model, opt: torch.optim.Optimizer, cfg, ckpt: "Checkpoint", step: i
 def train(cfg: DistillConfig, draft, data: Path, progress, say=print) -> dict:
     """Trains `draft` in place; resumes from work/ckpt.*; Ctrl-C saves and stops cleanly."""
     torch.manual_seed(cfg.seed)
-    examples = load_examples(data, "train") + load_examples(data, "text")
-    held = load_examples(data, "heldout")
+    examples = load_examples(data, "train") + load_examples(data, "real") + load_examples(data, "text")
+    held = load_examples(data, heldout_prefix(cfg))
     if not batches(examples, cfg.batch_tokens, cfg.seed, 0):
         raise ValueError(f"the training data under {data} holds fewer labels than one batch ({cfg.batch_tokens})")
     params = [p for p in draft.parameters() if p.requires_grad]
@@ -387,14 +495,29 @@ def train(cfg: DistillConfig, draft, data: Path, progress, say=print) -> dict:
         value = agreement(draft, held)
         return "heldout_agreement", value, f"step {{step}}: held-out agreement {value:.3f}"
 
+    if step == 0 and held:  # the curve's first point: the draft as training finds it
+        log.append(dict(step=0, cpu_s=0.0, heldout_agreement=agreement(draft, held)))
+
     step = optimize(draft, opt, cfg, ckpt, step, log, lambda s: step_loss(draft, [examples[j] for j in next(schedule)], cfg),
                     held_out if held else None, progress, "distill train",
                     lambda rec: dict(loss=f"{rec['loss']:.3f}", agree=f"{rec['agree']:.3f}"), say)
     final = log[-1].get("heldout_agreement") if log else None  # measured at the last step
     if final is None and held:
         final = agreement(draft, held)
-    return dict(steps=step, log=log, heldout_agreement=final,
+    return dict(steps=step, log=log, heldout_agreement=final, curve=curve(log),
                 train_sequences=len(examples), train_labels=sum(e.n_labels for e in examples))
+
+
+def curve(log: list[dict]) -> list[dict]:
+    """Held-out agreement against CPU-minutes of training (the process's CPU time over all its
+    threads, evaluations excluded, summed over resumed runs): one point per evaluation."""
+    return [dict(step=r["step"], cpu_min=round(r["cpu_s"] / 60, 2), heldout_agreement=round(r["heldout_agreement"], 4))
+            for r in log if "heldout_agreement" in r and "cpu_s" in r]
+
+
+def format_curve(points: list[dict]) -> str:
+    return "held-out agreement by CPU-minutes of training: " + ", ".join(
+        f"{p['cpu_min']:g} min {p['heldout_agreement']:.3f}" for p in points)
 
 
 def run(cfg: DistillConfig, progress, say=print) -> Path:
@@ -407,7 +530,7 @@ def run(cfg: DistillConfig, progress, say=print) -> Path:
     dev = torch.device("cpu") if not torch.cuda.is_available() else torch.device("cuda")
     target = load_model(cfg.target, cfg.teacher_tier, dev)
     tokenizer = load_tokenizer(cfg.target)
-    data = build_data(cfg, target, tokenizer, eos_ids_of(tokenizer, target), progress)
+    data = build_data(cfg, target, tokenizer, eos_ids_of(tokenizer, target), progress, say)
     if cfg.stage == "data":
         say(f"data ready in {data}")
         return data
@@ -428,11 +551,12 @@ def run(cfg: DistillConfig, progress, say=print) -> Path:
         init_layers=cfg.layers, config=asdict(cfg), steps=summary["steps"],
         continued_from=cfg.init_from,
         train_sequences=summary["train_sequences"], train_labels=summary["train_labels"],
-        heldout_agreement=summary["heldout_agreement"],
+        heldout_agreement=summary["heldout_agreement"], curve=summary["curve"],
         made_by="python -m engine distill",
     )
     out = Path(cfg.out)
     draftlib.save_draft(draft, out, meta)
+    say(format_curve(summary["curve"]))
     say(f"draft written to {out} (held-out agreement {summary['heldout_agreement']})")
     return out
 
