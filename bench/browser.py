@@ -115,11 +115,27 @@ def metrics(page) -> dict[str, str]:
     return out
 
 
+# Idle: the app's root says no script runs (Streamlit's own e2e tests read this attribute) and the
+# status widget is gone. A press or a click starts its run a moment later, and a page's run can end
+# with st.rerun(); so idle must hold over several polls in a row, not once after a fixed wait.
+IDLE = """() => { const app = document.querySelector('[data-testid="stApp"]');
+    return !!app && app.getAttribute('data-test-script-state') === 'notRunning'
+        && !document.querySelector('[data-testid="stStatusWidget"]'); }"""
+QUIET_POLLS = 3
+
+
 def wait_idle(page, timeout_s: float) -> None:
-    """Until the script run ends (Streamlit's status widget goes away)."""
-    page.wait_for_timeout(300)
-    page.wait_for_function(
-        "() => !document.querySelector('[data-testid=\"stStatusWidget\"]')", timeout=timeout_s * 1e3, polling=POLL_MS)
+    """Until the script run ends and no other starts for QUIET_POLLS polls."""
+    deadline = time.monotonic() + timeout_s
+    quiet = 0
+    while quiet < QUIET_POLLS:
+        page.wait_for_timeout(POLL_MS)
+        left_ms = max(deadline - time.monotonic(), 0.001) * 1e3
+        if page.evaluate(IDLE):
+            quiet += 1
+            continue
+        quiet = 0
+        page.wait_for_function(IDLE, timeout=left_ms, polling=POLL_MS)
 
 
 def open_live(page, url: str, prompt: str, policy: str, max_new: int, timeout_s: float = 600) -> None:

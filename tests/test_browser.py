@@ -16,6 +16,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 SHOTS = ROOT / "docs" / "screenshots"
 TIMEOUT_MS = 600_000
+CLICK_MS = 60_000  # a page's heading shows within seconds of its link's click
 # Browser / CLI tokens/s (medians of alternating runs) below which the page, not the machine, is at
 # fault. The issue's bar is 0.8; `bench browser` prints the figure (0.80 and 0.88 in the last two runs
 # here, the machine's own speed moving by a quarter between runs), so the test asserts the floor that
@@ -26,6 +27,8 @@ pytestmark = pytest.mark.slow
 
 if (why := B.browser_missing()):
     pytest.skip(f"no real-browser test here: {why}", allow_module_level=True)
+
+from playwright.sync_api import TimeoutError as PlaywrightTimeout  # noqa: E402 - installed, as checked above
 
 
 @pytest.fixture(scope="module")
@@ -40,8 +43,13 @@ def session(tmp_path_factory):
 
 def _go(page, url: str, title: str) -> None:
     """Open a page from the sidebar's navigation, as a user would."""
+    heading = page.get_by_role("heading", name=title, exact=True).first
     page.get_by_role("link", name=title, exact=True).click()
-    page.get_by_role("heading", name=title, exact=True).first.wait_for(timeout=TIMEOUT_MS)
+    try:
+        heading.wait_for(timeout=CLICK_MS)
+    except PlaywrightTimeout:  # a click that lands while a run ends in st.rerun() is dropped: click again
+        page.get_by_role("link", name=title, exact=True).click()
+        heading.wait_for(timeout=TIMEOUT_MS)
     B.wait_idle(page, TIMEOUT_MS / 1e3)
 
 
@@ -121,7 +129,9 @@ def test_runs_page_plots_and_downloads(session):
     page, url, _ = session
     _go(page, url, "Runs")
     _no_error(page)
-    assert page.locator('[data-testid="stPlotlyChart"]').count() >= 2
+    charts = page.locator('[data-testid="stPlotlyChart"]')
+    charts.nth(1).wait_for(timeout=TIMEOUT_MS)  # they draw after the page's heading and the store's read
+    assert charts.count() >= 2
     with page.expect_download(timeout=TIMEOUT_MS) as dl:
         page.get_by_role("button", name="Runs (CSV)", exact=True).click()
     assert dl.value.suggested_filename.endswith(".csv")
