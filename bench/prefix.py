@@ -75,12 +75,16 @@ def workloads(tokenizer, n: int, doc_tokens: int, system_tokens: int) -> dict[st
 def calibrated(pair, st, prompts: list[str], max_new: int):
     """The policies' context after a short profile of held-out requests, as a user tunes a pair:
     their live steps calibrate the cost table (`costs --calibrate`: the bare forwards miss what a
-    live step pays beyond them) and give rakv the pair's acceptance as its prior."""
+    live step pays beyond them) and give rakv the pair's acceptance, per proposer, as its priors."""
+    from engine.oracles import available
     from engine.service import calibrate_costs, cost_key, policy_context
     from engine.service.runs import Request, generate
 
+    # Each other proposer drafts too, so that rakv's prior for it is its measured acceptance (as
+    # `bench draft` calibrates): without one a weak EAGLE head starts every request at α0 = 0.6.
+    others = [f"fixed:2@{p}" for p in available(pair) if p != "draft"]
     for prompt in prompts:
-        for spec in ("ar", "fixed:1", "fixed:2", "fixed:4"):
+        for spec in ("ar", "fixed:1", "fixed:2", "fixed:4", *others):
             generate(pair, Request(prompt, spec, task="calibration", max_new_tokens=max_new), st, context=None)
     calibrate_costs(st, cost_key(pair))
     return policy_context(st, pair)
@@ -119,7 +123,8 @@ def summary(out: list[dict], stats: dict, reuse: bool) -> dict:
                 peak_bytes=stats["peak_bytes"], evictions=stats["evictions"])
 
 
-def measure(pair, loads: dict[str, list[list[dict]]], ctx, max_new: int, budget: int, rounds: int = 1) -> dict:
+def measure(pair, loads: dict[str, list[list[dict]]], ctx, max_new: int, budget: int, rounds: int = 1,
+            say=lambda m: None) -> dict:
     """Each configuration keeps its own prefix cache over a workload's request sequence; the
     configurations take turns request by request, so that a slow spell of this shared machine
     falls on all of them alike rather than on whichever ran then, in a balanced order (each
@@ -132,6 +137,7 @@ def measure(pair, loads: dict[str, list[list[dict]]], ctx, max_new: int, budget:
     names, results = list(CONFIGS), {}
     for wl, convs in loads.items():
         requests = [encode_messages(pair.tokenizer, m) for m in convs]
+        say(f"{wl}: {len(requests)} requests × {len(names)} configurations, {rounds} round(s)…")
         runs: dict[str, list[list[dict]]] = {c: [] for c in names}  # per configuration: rounds of requests
         active, stats = list(names), {}
         for rnd in range(rounds):
@@ -192,7 +198,8 @@ def main(argv: list[str] | None = None) -> int:
     with Store(":memory:") as st:  # rakv's cost table and prior, measured for this run
         cost_table(st, pair, say=lambda m: print(m, file=sys.stderr))
         ctx = calibrated(pair, st, loads.pop("calibration")[:3], a.max_new_tokens)
-    res = measure(pair, loads, ctx, a.max_new_tokens, int(a.budget_mib * 2**20), a.rounds)
+    res = measure(pair, loads, ctx, a.max_new_tokens, int(a.budget_mib * 2**20), a.rounds,
+                  say=lambda m: print(m, file=sys.stderr, flush=True))
     res.update(target=pair.target_name, target_tier=pair.target_tier, device=str(pair.device),
                step_factor=ctx.costs.step_factor, rakv_alpha0=ctx.alpha0)
     if a.json:

@@ -112,9 +112,22 @@ def test_replay_costs_and_summary(traced):
     assert [r["tokens_per_s"] for r in ar_flat if r["task"] == "all"] == [pytest.approx(100.0)]
 
 
-def test_cost_table_lookup_uses_the_bucket_at_or_below():
-    t = CostTable([64, 256], [1.0, 2.0], [[10.0 + k for k in range(9)], [20.0 + k for k in range(9)]])
-    assert t.step_ms(0, 10) == 10.0 and t.step_ms(4, 100) == 4 * 1.0 + 14.0 and t.step_ms(2, 999) == 2 * 2.0 + 22.0
+def test_cost_table_lookup_uses_the_bucket_at_or_below_and_grows_past_the_last():
+    from engine.decode.costs import EXTRAPOLATE_STRIDE as S
+
+    t = CostTable([64, 256], [1.0, 2.0], [[10.0 + k for k in range(9)], [10.5 + 2 * k for k in range(9)]],
+                  warm_read_ms=[0.5, 0.5], cold_read_ms=[8.0, 20.0])
+    assert t.step_ms(0, 10) == 10.0 and t.step_ms(4, 100) == 4 * 1.0 + 14.0 and t.step_ms(2, 256 + S - 1) == 2 * 2.0 + 14.5
+    # Past the last bucket: along the last two buckets' slope, read at whole strides beyond it.
+    beyond = 3 * S
+    assert t.band(256 + beyond + S - 1) == t.band(256 + beyond) == 256 + beyond
+    draft, verify = 2.0 + beyond * 1.0 / 192, 14.5 + beyond * 2.5 / 192  # slopes (2-1)/192 and (14.5-12)/192
+    assert t.step_ms(2, 256 + beyond + 5) == pytest.approx(2 * draft + verify)
+    # A verify of several rows grows faster than a plain step: so does its price against one.
+    assert t.verify_part(2, 256 + beyond) / t.verify_part(0, 256 + beyond) > t.verify_part(2, 256) / t.verify_part(0, 256)
+    # A falling pair of medians (noise) stays flat instead, and so does a flat cost.
+    assert CostTable([64, 256], [2.0, 1.0], [[10.0] * 9, [9.0] * 9]).step_ms(1, 5000) == 1.0 + 9.0
+    assert t.catchup_cost(0, 4, 5000) == 4 * 0.5
 
 
 def test_calibration_scales_each_draft_length_to_its_live_steps():

@@ -272,7 +272,7 @@ class _ProposerCosts:
     def __init__(self, per_token: float = 3.0, **draft_ms: float) -> None:
         self.per_token, self.draft_ms = per_token, {"draft": 1.0, "eagle": 0.5, "ngram": 0.0, **draft_ms}
 
-    def bucket_of(self, context_len: int) -> int:
+    def band(self, context_len: int) -> int:
         return 0
 
     def step_ms(self, k: int, context_len: int, proposer: str = "draft") -> float:

@@ -195,7 +195,7 @@ class RakvPolicy(BasePolicy):
     def _best(self, state: DecodeState, proposer: str, alpha: float) -> tuple[int, float]:
         """The cheapest k per expected token for one proposer (k = 0 first: ties stay plain)."""
         ks = grid_for(state, proposer)
-        key = (alpha, self.costs.bucket_of(state.context_len), ks)
+        key = (alpha, self.costs.band(state.context_len), ks)
         last = self._last.get(proposer)
         if not (last and last[0] == key):
             ks_arr = np.array(ks)

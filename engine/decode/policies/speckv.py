@@ -123,7 +123,7 @@ class SpeckvPolicy(BasePolicy):
         """One proposer's (k, E[tokens], step ms, the MLP's rate for the draft) with the most
         expected tokens per ms, k = 0 first (ties stay plain)."""
         grid = grid_for(state, proposer)
-        bucket = self.costs.bucket_of(state.context_len)
+        bucket = self.costs.band(state.context_len)
         if proposer == "draft":
             # Same features (the draft's last drafting step), context bucket, candidates and feedback: same choice.
             drafted = _last_drafted(state, "draft")
