@@ -384,9 +384,14 @@ def test_each_proposer_waits_for_its_own_probe():
     rakv = make_policy("rakv", _ctx(costs))
     a = rakv.choose(_multi([prefill, dud] + [plain] * 16, alphas=alphas))
     assert (a.k, a.proposer) == (1, "ngram") and rakv.why.startswith("probe ngram")
-    # (A step earlier only the draft model's wait was over: it has not drafted since the prefill.)
+    # (A step earlier only the draft model's wait was over; at 30 ms a drafted token against a
+    # 10 ms plain step no γ pays even at its prior α: a probe could only lose, so the step is plain.)
     a = rakv.choose(_multi([prefill, dud] + [plain] * 15, alphas=alphas))
-    assert (a.k, a.proposer) == (1, "draft") and rakv.why.startswith("probe draft: draft has not drafted")
+    assert a.k == 0 and rakv.why.startswith("plain: a probe of draft would not pay here")
+    # Where drafting would pay at its prior (1 ms a token), the draft's due probe is taken.
+    paying = make_policy("rakv", _ctx(_ProposerCosts(draft=1.0)))
+    a = paying.choose(_multi([prefill, dud] + [plain] * 15, alphas=alphas))
+    assert (a.k, a.proposer) == (1, "draft") and paying.why.startswith("probe draft: draft has not drafted")
     assert rakv.choose(_multi([prefill, dud] + [plain] * 14, alphas=alphas)).k == 0  # neither is due
     assert rakv.choose(_multi([prefill, dud] + [plain] * 16, {"ngram": 0}, alphas)).proposer != "ngram"  # no match
     # … never a draft of another proposer that pays.

@@ -3,8 +3,9 @@ from __future__ import annotations
 
 from typing import Protocol, runtime_checkable
 
+from engine.decode.acceptance import candidates, expected_tokens
 from engine.decode.costs import CostTable
-from engine.decode.records import Action, DecodeState, DraftToken, StepRecord
+from engine.decode.records import UNBOUNDED, Action, DecodeState, DraftToken, StepRecord
 
 
 @runtime_checkable
@@ -123,10 +124,22 @@ def catchup_pays(costs: CostTable, state: DecodeState, ms_per_token: float, prop
     return (costs.step_ms(0, state.context_len) - ms_per_token) * state.remaining > cost
 
 
+def drafting_pays(costs: CostTable, state: DecodeState, alpha: float, proposer: str = "draft") -> bool:
+    """Whether, at per-token acceptance `alpha`, some draft length that fits (and that the
+    proposer can propose now) costs less per expected token than a plain step at this context."""
+    cap = state.lookahead.get(proposer, UNBOUNDED)
+    ks = sorted({min(k, cap) for k in candidates(state)} - {0})
+    plain = costs.step_ms(0, state.context_len)
+    return any(costs.step_ms(k, state.context_len, proposer) < plain * float(expected_tokens(alpha, k)) for k in ks)
+
+
 def probe_pays(costs: CostTable, state: DecodeState, alpha: float, proposer: str = "draft") -> bool:
-    """A probe (one drafted token) bets that acceptance is back at `alpha`; it is worth its
-    catch-up only if drafting at that acceptance would repay it (`catchup_pays`)."""
-    return catchup_pays(costs, state, costs.step_ms(1, state.context_len, proposer) / (1.0 + alpha), proposer)
+    """A probe (one drafted token) bets that acceptance is back at `alpha`. It is worth taking
+    only if drafting at that acceptance would pay at this context at all (on a long prompt a
+    verify of several rows costs ~2 plain steps here: a probe there only loses, whatever it
+    finds) and would repay the proposer's catch-up read (`catchup_pays`)."""
+    return (drafting_pays(costs, state, alpha, proposer)
+            and catchup_pays(costs, state, costs.step_ms(1, state.context_len, proposer) / (1.0 + alpha), proposer))
 
 
 def probe_due(state: DecodeState, costs: CostTable, proposer: str | None = None) -> bool:

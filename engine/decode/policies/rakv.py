@@ -136,7 +136,8 @@ def choose_probe(costs: CostTable, state: DecodeState, names: tuple[str, ...], w
     if not refused or (several and winner is not None):  # no probe due, or the cost rule's draft stands
         return None
     return (Action(k=0, proposer=idle(state)),
-            f"plain: a probe of {', '.join(refused)} would not repay its catch-up read")
+            f"plain: a probe of {', '.join(refused)} would not pay here (no γ beats a plain step at its prior "
+            "acceptance at this context, or it would not repay its catch-up read)")
 
 
 def idle(state: DecodeState) -> str:
