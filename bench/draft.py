@@ -28,9 +28,9 @@ fixed policy on a held-out prompt that is not timed. HF assisted gets the draft 
 forward (the row-invariant reads a live SpecLab run needs are SpecLab's cost, not HF's).
 
 Run: python bench/draft.py [--json]   or   python -m engine bench draft [--json]
-Defaults (1 prompt per task, 96 tokens, γ 2 and 4 per proposer, fp32 and bf16 in both verify
-modes: 136 timed generations) are sized for ~13 minutes on this project's idle 2-core CPU
-(an estimate from its ms per token; the JSON's `elapsed_s` says what a run took)."""
+Defaults (1 prompt per task, 48 tokens, γ 4 per proposer, fp32 and bf16 in both verify modes:
+4 × (12 + 19) = 124 timed generations) fit 20 minutes on this project's idle 2-core CPU (the
+JSON's `elapsed_s` says what a run took; `--ks 2,4 --max-new-tokens 96` is the fuller sweep)."""
 from __future__ import annotations
 
 import argparse
