@@ -67,8 +67,8 @@ HF_DEFAULTS = dict(num_assistant_tokens=20, num_assistant_tokens_schedule="const
 @dataclass
 class Options:
     per_task: int = 1  # held-out prompts per task, timed
-    # The defaults fit 20 minutes here: 96 tokens and γ 2 and 4 took 26.5 (bf16 has no native
-    # kernels on this CPU: its 27 configurations cost 3.5 min a prompt at 64 tokens).
+    # The defaults fit 20 minutes here (15): 64 tokens with γ 2 and 4 took 25, as bf16 has no
+    # native kernels on this CPU (its 27 configurations then cost 3.2 min a prompt).
     max_new: int = 48
     ks: tuple[int, ...] = (GAMMA,)  # fixed γ per proposer (GAMMA is always among them; --ks 2,4 adds 2)
     proposers: tuple[str, ...] | None = None  # None: every proposer the pair has
@@ -438,7 +438,8 @@ def main(argv: list[str] | None = None) -> int:
                    "--verify auto (the default) bf16/fp16 are timed in both verify modes, exact and fast")
     p.add_argument("--max-new-tokens", type=int, default=Options.max_new)
     p.add_argument("--prompts-per-task", type=int, default=1, help="held-out prompts per task for timing")
-    p.add_argument("--ks", default=",".join(map(str, Options.ks)), help=f"fixed γ values per proposer (γ = {GAMMA} always runs: τ)")
+    p.add_argument("--ks", default=",".join(map(str, Options.ks)),
+                   help=f"fixed γ values per proposer (γ = {GAMMA} always runs: τ)")
     p.add_argument("--proposers", default=None, help="proposers to time (default: every one the pair has)")
     p.add_argument("--hf-assisted", default=",".join(HF_ASSISTED), help=f"HF assisted settings: {HF_ASSISTED_KNOWN}")
     p.add_argument("--hf-lookup", default="4", help="HF prompt_lookup_num_tokens values ('' for none)")

@@ -15,7 +15,7 @@ from typing import Iterable
 from engine.base.names import COST_KEY
 from engine.decode.records import K_MAX
 
-CONTEXT_BUCKETS = (64, 256, 512)  # context lengths measured; a step uses the nearest one below
+CONTEXT_BUCKETS = (64, 256, 512)  # context lengths measured; a step within them uses the nearest one below
 # Beyond the last bucket costs keep growing, and a verify of several rows faster than a plain
 # step (measured at fp32 on 2 cores: 1 drafted token costs 1.29 plain steps at 512 tokens, 1.41
 # at 1,024, 1.87 at 3,072), so there they follow the slope of the last two buckets, read at
