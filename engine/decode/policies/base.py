@@ -124,11 +124,21 @@ def catchup_pays(costs: CostTable, state: DecodeState, ms_per_token: float, prop
     return (costs.step_ms(0, state.context_len) - ms_per_token) * state.remaining > cost
 
 
+def grid_for(state: DecodeState, proposer: str) -> tuple[int, ...]:
+    """The draft lengths to weigh for one proposer: the candidates that fit the budget, capped
+    by how far it can propose now (a 3-token n-gram continuation turns 4, 6 and 8 into 3)."""
+    cap = _lookahead(state, proposer)
+    return tuple(sorted({min(k, cap) for k in candidates(state)}))
+
+
+def _lookahead(state: DecodeState, proposer: str) -> int:
+    return state.lookahead.get(proposer, UNBOUNDED)
+
+
 def drafting_pays(costs: CostTable, state: DecodeState, alpha: float, proposer: str = "draft") -> bool:
     """Whether, at per-token acceptance `alpha`, some draft length that fits (and that the
     proposer can propose now) costs less per expected token than a plain step at this context."""
-    cap = state.lookahead.get(proposer, UNBOUNDED)
-    ks = sorted({min(k, cap) for k in candidates(state)} - {0})
+    ks = [k for k in grid_for(state, proposer) if k > 0]
     plain = costs.step_ms(0, state.context_len)
     return any(costs.step_ms(k, state.context_len, proposer) < plain * float(expected_tokens(alpha, k)) for k in ks)
 

@@ -14,10 +14,18 @@ from typing import Callable, Mapping
 
 import numpy as np
 
-from engine.decode.acceptance import candidates, expected_tokens
+from engine.decode.acceptance import expected_tokens
 from engine.decode.costs import CostTable
-from engine.decode.policies.base import BasePolicy, catchup_pays, probe_due, probe_pays, reuse_that_pays
-from engine.decode.records import UNBOUNDED, Action, DecodeState
+from engine.decode.policies.base import (
+    BasePolicy,
+    _lookahead,
+    catchup_pays,
+    grid_for,
+    probe_due,
+    probe_pays,
+    reuse_that_pays,
+)
+from engine.decode.records import Action, DecodeState
 
 # rakv's prior α0 counts as this many trials beside the EWMA's own: one accepted probe alone
 # (α = 1/1) would otherwise send it to k = 8, a gamble that costs ~5 plain steps when it fails.
@@ -88,17 +96,6 @@ def unpriced(costs: CostTable, state: DecodeState) -> tuple[str, ...]:
     others are not weighed (the `why` says so) until `python -m engine costs` measures them."""
     priced = getattr(costs, "proposers", None)  # None: a table that prices every proposer
     return () if priced is None else tuple(p for p in state.proposers if p not in priced)
-
-
-def grid_for(state: DecodeState, proposer: str) -> tuple[int, ...]:
-    """The draft lengths to weigh for one proposer: the candidates that fit the budget, capped
-    by how far it can propose now (a 3-token n-gram continuation turns 4, 6 and 8 into 3)."""
-    cap = _lookahead(state, proposer)
-    return tuple(sorted({min(k, cap) for k in candidates(state)}))
-
-
-def _lookahead(state: DecodeState, proposer: str) -> int:
-    return state.lookahead.get(proposer, UNBOUNDED)
 
 
 def acceptance(state: DecodeState, proposer: str) -> tuple[float | None, float]:
