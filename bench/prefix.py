@@ -72,10 +72,12 @@ def workloads(tokenizer, n: int, doc_tokens: int, system_tokens: int) -> dict[st
     )
 
 
-def calibrated(pair, st, prompts: list[str], max_new: int):
+def calibrated(pair, st, prompts: list[str], max_new: int, draft_prompts: int = 3):
     """The policies' context after a short profile of held-out requests, as a user tunes a pair:
     their live steps calibrate the cost table (`costs --calibrate`: the bare forwards miss what a
-    live step pays beyond them) and give rakv the pair's acceptance, per proposer, as its priors."""
+    live step pays beyond them) and give rakv the pair's acceptance, per proposer, as its priors.
+    The draft model's policies run on the first `draft_prompts`; the other proposers on all of
+    them: an n-gram lookup drafts only where the text repeats (~11 steps in 32 tokens of chat)."""
     from engine.oracles import available
     from engine.service import calibrate_costs, cost_key, policy_context
     from engine.service.runs import Request, generate
@@ -83,8 +85,8 @@ def calibrated(pair, st, prompts: list[str], max_new: int):
     # Each other proposer drafts too, so that rakv's prior for it is its measured acceptance (as
     # `bench draft` calibrates): without one a weak EAGLE head starts every request at α0 = 0.6.
     others = [f"fixed:2@{p}" for p in available(pair) if p != "draft"]
-    for prompt in prompts:
-        for spec in ("ar", "fixed:1", "fixed:2", "fixed:4", *others):
+    for i, prompt in enumerate(prompts):
+        for spec in (("ar", "fixed:1", "fixed:2", "fixed:4") if i < draft_prompts else ()) + tuple(others):
             generate(pair, Request(prompt, spec, task="calibration", max_new_tokens=max_new), st, context=None)
     calibrate_costs(st, cost_key(pair))
     return policy_context(st, pair)
@@ -197,16 +199,17 @@ def main(argv: list[str] | None = None) -> int:
     loads = workloads(pair.tokenizer, a.requests, a.doc_tokens, a.system_tokens)
     with Store(":memory:") as st:  # rakv's cost table and prior, measured for this run
         cost_table(st, pair, say=lambda m: print(m, file=sys.stderr))
-        ctx = calibrated(pair, st, loads.pop("calibration")[:3], a.max_new_tokens)
+        ctx = calibrated(pair, st, loads.pop("calibration"), a.max_new_tokens)
     res = measure(pair, loads, ctx, a.max_new_tokens, int(a.budget_mib * 2**20), a.rounds,
                   say=lambda m: print(m, file=sys.stderr, flush=True))
     res.update(target=pair.target_name, target_tier=pair.target_tier, device=str(pair.device),
-               step_factor=ctx.costs.step_factor, rakv_alpha0=ctx.alpha0)
+               step_factor=ctx.costs.step_factor, rakv_alpha0=ctx.alpha0,
+               rakv_priors={p: round(a, 3) for p, a in ctx.priors.items()})
     if a.json:
         print(json.dumps(res))
         return 0
     print(f"prefix reuse, {pair.target_name} ({pair.target_tier}) on {pair.device}, {a.max_new_tokens} new tokens a request, "
-          f"{a.rounds} round(s); rakv's prior α0 {res['rakv_alpha0'] or 0.6:.2f} (the calibration runs' acceptance)")
+          f"{a.rounds} round(s); rakv's priors {res['rakv_priors']} (the calibration runs' acceptance)")
     for wl, res_wl in res["workloads"].items():
         nr = res_wl["no reuse"]
         print(f"  {wl:10} {len(nr['requests'])} requests, {nr['prompt_tokens']} prompt tokens")

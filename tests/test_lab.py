@@ -130,6 +130,15 @@ def test_cost_table_lookup_uses_the_bucket_at_or_below_and_grows_past_the_last()
     assert t.catchup_cost(0, 4, 5000) == 4 * 0.5
 
 
+def test_long_contexts_are_measured_with_fewer_rounds():
+    from engine.decode.costs import CONTEXT_BUCKETS, LONG_CONTEXT, REPS, reps_at
+
+    assert max(CONTEXT_BUCKETS) > LONG_CONTEXT  # the long prompts' costs are measured, not extrapolated
+    assert [reps_at(b, REPS) for b in (64, LONG_CONTEXT)] == [REPS, REPS]
+    assert reps_at(2 * LONG_CONTEXT, REPS) == REPS // 2 and reps_at(100 * LONG_CONTEXT, REPS) == 3
+    assert reps_at(2 * LONG_CONTEXT, 1) == 1  # never more than asked
+
+
 def test_calibration_scales_each_draft_length_to_its_live_steps():
     from engine.decode.costs import CALIBRATE_MIN, calibrate
     from store import Store

@@ -280,6 +280,27 @@ def test_first_token_acceptance_counts_drafting_steps_of_one_pair() -> None:
         assert len(st.step_times(*key, kv_tier="int8")) == 3 and st.step_times(*key, kv_tier="fp8").empty
 
 
+def test_rakv_priors_pad_few_drafting_steps_with_the_default() -> None:
+    from engine.decode.policies.rakv import ALPHA0, PRIORS
+    from engine.service.cost_tables import ALPHA_MIN_STEPS, acceptance_priors
+
+    key = ("cpu", "Qwen/Qwen2.5-0.5B-Instruct", "tiny-draft", "fp16", None, "int8")  # COST_KEY's order
+    steps = make_steps(4)
+    steps[2]["accepted"] = 0  # the draft: 2 of 3 drafting steps kept their first token
+    ngram = [dict(s, proposer="ngram", accepted=0) if s["k_drafted"] else s for s in make_steps(3)]  # 0 of 2
+    with Store(":memory:") as st:
+        assert acceptance_priors(st, key, ("draft", "ngram")) == {}  # nothing measured: rakv's defaults
+        st.add_run(make_run(), steps)
+        st.add_run(make_run(), ngram)
+        got = acceptance_priors(st, key, ("draft", "ngram", "suffix"))
+        # Padded to ALPHA_MIN_STEPS steps with the default: a few lost drafts pull the prior down, not to 0.
+        assert got["draft"] == pytest.approx((2 + (ALPHA_MIN_STEPS - 3) * ALPHA0) / ALPHA_MIN_STEPS)
+        assert got["ngram"] == pytest.approx((ALPHA_MIN_STEPS - 2) * PRIORS["ngram"] / ALPHA_MIN_STEPS)
+        assert "suffix" not in got
+        st.add_runs([(make_run(), ngram) for _ in range(ALPHA_MIN_STEPS)])  # enough steps: the measured acceptance alone
+        assert acceptance_priors(st, key, ("ngram",)) == {"ngram": 0.0}
+
+
 def test_unknown_run_id() -> None:
     with Store(":memory:") as st, pytest.raises(StoreError, match="no run 'zzz'"):
         st.run("zzz")

@@ -6,7 +6,7 @@ import json
 
 from engine.base.helpers import csv_list
 from engine.cli.parsing import JSON_ARG, PROMPTS_ARG, TIERS_ARG, command, load, open_or_fail, pairs, progress_bar, say
-from engine.decode.costs import REPS
+from engine.decode.costs import CONTEXT_BUCKETS, REPS
 from engine.decode.policies import split_policies
 from engine.service import TRACE_POLICIES
 from engine.service.options import KV_TIERS_ARG, exact_verify
@@ -14,7 +14,7 @@ from engine.service.options import KV_TIERS_ARG, exact_verify
 
 # -- measure, replay, learn ------------------------------------------------------------------------
 @command("costs", "measure draft/verify costs per tier, KV tier and context (stored)", TIERS_ARG, KV_TIERS_ARG,
-         ("--buckets", dict(default="64,256,512", help="context lengths to measure at")),
+         ("--buckets", dict(default=",".join(map(str, CONTEXT_BUCKETS)), help="context lengths to measure at")),
          ("--reps", dict(type=int, default=REPS, help="timed repetitions per point (after warm-up)")),
          ("--calibrate", dict(action="store_true", help="instead of measuring: scale the stored table to the "
                                                           "stored live steps of the pair (per k)")),

@@ -15,15 +15,29 @@ from typing import Iterable
 from engine.base.names import COST_KEY
 from engine.decode.records import K_MAX
 
-CONTEXT_BUCKETS = (64, 256, 512)  # context lengths measured; a step within them uses the nearest one below
-# Beyond the last bucket costs keep growing, and a verify of several rows faster than a plain
-# step (measured at fp32 on 2 cores: 1 drafted token costs 1.29 plain steps at 512 tokens, 1.41
-# at 1,024, 1.87 at 3,072), so there they follow the slope of the last two buckets, read at
-# multiples of this many tokens (a controller's choice stays cached within one).
+# Context lengths measured; a step within them uses the nearest one below. Up to 1,024 because
+# a verify of several rows grows faster with the context than a plain step (at fp32 on 2 cores: 1
+# drafted token costs 1.29 plain steps at 512 tokens, 1.41 at 1,024, 1.87 at 3,072), and long
+# prompts (a shared system prompt, a document) are where a draft that paid at 512 loses: a table
+# that stopped at 512 priced a 4-token n-gram draft at 1,050 tokens at 1.83 plain steps, live
+# steps paid 2.16. (Buckets past a model's context are skipped; a 2,048 bucket tripled the time
+# the table takes, its prefills alone ~10 s a round.)
+CONTEXT_BUCKETS = (64, 256, 512, 1024)
+# Beyond the last bucket costs keep growing, so there they follow the slope of the last two
+# buckets, read at multiples of this many tokens (a controller's choice stays cached within one).
 EXTRAPOLATE_STRIDE = 128
 REPS = 9  # timed forwards per point, in turns with every other point: enough for a steady median
+# Past this context a round's forwards are long enough to time steadily with fewer of them
+# (`reps_at`): a round at 1,024 tokens reads the prompt ~4 times (~20 s here).
+LONG_CONTEXT = 512
 WARMUP = 2  # rounds discarded before timing: first calls allocate and pick kernels
 CALIBRATE_MIN = 12  # live steps of one draft length before their median ratio is trusted
+
+
+def reps_at(bucket: int, reps: int) -> int:
+    """Timed rounds at a context bucket: `reps`, past LONG_CONTEXT fewer in proportion (at least
+    3 for a median, never more than `reps`)."""
+    return reps if bucket <= LONG_CONTEXT else max(min(reps, 3), reps * LONG_CONTEXT // bucket)
 
 
 @dataclass

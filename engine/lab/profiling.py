@@ -19,7 +19,7 @@ from typing import Callable, Iterable
 import torch
 
 from engine.base.helpers import median_ms
-from engine.decode.costs import CONTEXT_BUCKETS, REPS, WARMUP, CostTable, DraftCost
+from engine.decode.costs import CONTEXT_BUCKETS, REPS, WARMUP, CostTable, DraftCost, reps_at
 from engine.decode.policies import K_MAX, make_policy
 from engine.decode.records import UNBOUNDED, DraftToken
 from engine.lab.generation import GenConfig, Generation, encode_prompt
@@ -170,7 +170,7 @@ def measure_costs(pair: ModelPair, buckets: tuple[int, ...] = CONTEXT_BUCKETS, r
                  (lambda: prefill(ids[:b]), None), (lambda: draft_read(pair, ids[:b], None), None), (warm_read, None)]
         for d in driven:  # a fresh one's first draft, one after a verify, one after WARM_STEPS plain steps
             timed += [(d.propose, d.step), (d.propose, lambda d=d: d.step(WARM_STEPS)), (d.propose, d.fresh)]
-        ms = _medians_ms(timed, reps, WARMUP, sync)
+        ms = _medians_ms(timed, reps_at(b, reps), WARMUP, sync)
         draft_ms.append(ms[0])
         verify_ms.append(ms[1 : K_MAX + 2])
         prefill_ms.append(ms[K_MAX + 2])

@@ -8,10 +8,14 @@ from engine.base.names import COST_KEY
 from engine.decode.acceptance import Predictor
 from engine.decode.costs import REPS, CostTable, calibrate
 from engine.decode.policies import NEEDS_CONTEXT, PolicyContext, make_policy, parse_policy
+from engine.decode.policies.rakv import default_prior
 from engine.lab.whatif import tier_label
 from store import Store
 
-ALPHA_MIN_STEPS = 32  # drafting steps of stored runs before their acceptance replaces rakv's default prior
+# Drafting steps of stored runs before their acceptance alone is rakv's prior; fewer are padded to
+# this many with the policy's default (a free proposer's 0.5 was twice what the n-gram lookup
+# measured on chat, 0.18 over 33 steps: a hard threshold kept the default until the 32nd step).
+ALPHA_MIN_STEPS = 32
 
 
 # -- costs -------------------------------------------------------------------------------------
@@ -90,13 +94,15 @@ def controller_loader(store: Store) -> Callable[[str, int | None], Predictor]:
 
 
 def acceptance_priors(store: Store, key: tuple, proposers) -> dict[str, float]:
-    """Per proposer, the per-token acceptance of the stored live runs of `key`'s pair, device,
-    tier and KV tier, where they drafted at least ALPHA_MIN_STEPS steps (rakv's prior)."""
+    """Per proposer that drafted in them, the per-token acceptance of the stored live runs of
+    `key`'s pair, device, tier and KV tier (rakv's prior): below ALPHA_MIN_STEPS drafting steps
+    shrunk to rakv's default for that proposer, as if the missing steps had measured it."""
     priors = {}
     for name in proposers:
         hits, n = store.first_token_acceptance(*key[:4], kv_tier=key[5], proposer=name)
-        if n >= ALPHA_MIN_STEPS:
-            priors[name] = hits / n
+        if n:
+            pad = max(ALPHA_MIN_STEPS - n, 0)
+            priors[name] = (hits + pad * default_prior(name)) / (n + pad)
     return priors
 
 

@@ -44,6 +44,11 @@ ALPHA0 = 0.6
 PRIORS = {"ngram": 0.5, "suffix": 0.5, "eagle": ALPHA0}
 
 
+def default_prior(proposer: str) -> float:
+    """rakv's prior for `proposer` where no stored run measured it."""
+    return PRIORS.get(proposer, ALPHA0)
+
+
 def proposers_for(policy, state: DecodeState) -> tuple[str, ...]:
     """The run's proposers this policy may draft with (its spec's `@proposer` restricts them),
     less those that can propose nothing now (an n-gram proposer without a match), those its
