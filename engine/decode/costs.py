@@ -20,15 +20,15 @@ from engine.decode.records import K_MAX
 # drafted token costs 1.29 plain steps at 512 tokens, 1.41 at 1,024, 1.87 at 3,072), and long
 # prompts (a shared system prompt, a document) are where a draft that paid at 512 loses: a table
 # that stopped at 512 priced a 4-token n-gram draft at 1,050 tokens at 1.83 plain steps, live
-# steps paid 2.16. (Buckets past a model's context are skipped; a 2,048 bucket tripled the time
-# the table takes, its prefills alone ~10 s a round.)
+# steps paid ~2.15. (Buckets past a model's context are skipped. With a 2,048 bucket too, bench
+# prefix's table and calibration took 805 s instead of 275 s: a round there reads 2,048-token prompts.)
 CONTEXT_BUCKETS = (64, 256, 512, 1024)
 # Beyond the last bucket costs keep growing, so there they follow the slope of the last two
 # buckets, read at multiples of this many tokens (a controller's choice stays cached within one).
 EXTRAPOLATE_STRIDE = 128
 REPS = 9  # timed forwards per point, in turns with every other point: enough for a steady median
 # Past this context a round's forwards are long enough to time steadily with fewer of them
-# (`reps_at`): a round at 1,024 tokens reads the prompt ~4 times (~20 s here).
+# (`reps_at`): each round reads the bucket's prompt into the target and into the draft.
 LONG_CONTEXT = 512
 WARMUP = 2  # rounds discarded before timing: first calls allocate and pick kernels
 CALIBRATE_MIN = 12  # live steps of one draft length before their median ratio is trusted

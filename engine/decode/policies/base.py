@@ -127,11 +127,12 @@ def catchup_pays(costs: CostTable, state: DecodeState, ms_per_token: float, prop
 def grid_for(state: DecodeState, proposer: str) -> tuple[int, ...]:
     """The draft lengths to weigh for one proposer: the candidates that fit the budget, capped
     by how far it can propose now (a 3-token n-gram continuation turns 4, 6 and 8 into 3)."""
-    cap = _lookahead(state, proposer)
+    cap = lookahead_of(state, proposer)
     return tuple(sorted({min(k, cap) for k in candidates(state)}))
 
 
-def _lookahead(state: DecodeState, proposer: str) -> int:
+def lookahead_of(state: DecodeState, proposer: str) -> int:
+    """How far `proposer` can propose now (UNBOUNDED: a model, or a state that does not say)."""
     return state.lookahead.get(proposer, UNBOUNDED)
 
 

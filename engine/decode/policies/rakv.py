@@ -18,9 +18,9 @@ from engine.decode.acceptance import expected_tokens
 from engine.decode.costs import CostTable
 from engine.decode.policies.base import (
     BasePolicy,
-    _lookahead,
     catchup_pays,
     grid_for,
+    lookahead_of,
     probe_due,
     probe_pays,
     reuse_that_pays,
@@ -58,7 +58,7 @@ def proposers_for(policy, state: DecodeState) -> tuple[str, ...]:
     missing = unpriced(policy.costs, state)
     out = retired(policy, state)
     names = tuple(p for p in state.proposers if (allowed is None or p in allowed) and p not in missing and p not in out)
-    return tuple(p for p in names if _lookahead(state, p) > 0)
+    return tuple(p for p in names if lookahead_of(state, p) > 0)
 
 
 # A proposer whose drafts have cost this run more than RETIRE_STEPS plain steps beyond what they
@@ -211,7 +211,7 @@ class RakvPolicy(BasePolicy):
     def _plain_why(self, state: DecodeState, alphas: dict[str, float], plain_ms: float) -> str:
         seen = ", ".join(f"{p} {a:.2f}" for p, a in alphas.items()) if len(state.proposers) > 1 else (
             f"{next(iter(alphas.values())):.2f}" if alphas else "")
-        blind = [p for p in state.proposers if _lookahead(state, p) <= 0]
+        blind = [p for p in state.proposers if lookahead_of(state, p) <= 0]
         missing = unpriced(self.costs, state)
         return ("plain: " + (f"α ≈ {seen}: " if seen else "") + f"no γ beats plain decoding ({plain_ms:.1f} ms/token)"
                 + (f"; {', '.join(blind)}: nothing to propose" if blind else "")
