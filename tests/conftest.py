@@ -6,6 +6,11 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # before transformers is imported (tiny imports it)
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# Under pytest-xdist (`make test`) the cores are shared out among the workers, before torch is
+# imported and for every process a test starts (CLI runs, the app server, Ray's workers): two
+# processes with a thread per core each would contend for both cores and slow each other tenfold.
+if (_workers := int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))) > 1:
+    os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // _workers)))
 
 from tiny import save_tiny_llama  # noqa: E402  (tests/ is on sys.path: pytest puts a rootdir conftest's folder there)
 

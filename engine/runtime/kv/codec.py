@@ -28,6 +28,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import json
+import os
 import struct
 import zlib
 from dataclasses import dataclass, field
@@ -220,9 +221,13 @@ class Stats:
 
     def save(self, path: Path) -> None:
         meta = dict(self.meta, fingerprint=self.fingerprint, predictor=self.predictor, version=VERSION)
-        with open(path, "wb") as f:  # np.savez would append .npz to a name without it
+        # Written beside, then renamed: a process fitting the same codec at the same time (two app
+        # sessions, two test workers) must never read a half-written file.
+        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+        with open(tmp, "wb") as f:  # np.savez would append .npz to a name without it
             np.savez(f, alpha=self.alpha, beta=self.beta, sigma=self.sigma, tables=self.tables,
                      meta=np.array(json.dumps(meta)))
+        os.replace(tmp, path)
 
     @classmethod
     def load(cls, path: Path) -> "Stats":
