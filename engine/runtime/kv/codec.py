@@ -224,10 +224,13 @@ class Stats:
         # Written beside, then renamed: a process fitting the same codec at the same time (two app
         # sessions, two test workers) must never read a half-written file.
         tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-        with open(tmp, "wb") as f:  # np.savez would append .npz to a name without it
-            np.savez(f, alpha=self.alpha, beta=self.beta, sigma=self.sigma, tables=self.tables,
-                     meta=np.array(json.dumps(meta)))
-        os.replace(tmp, path)
+        try:
+            with open(tmp, "wb") as f:  # np.savez would append .npz to a name without it
+                np.savez(f, alpha=self.alpha, beta=self.beta, sigma=self.sigma, tables=self.tables,
+                         meta=np.array(json.dumps(meta)))
+            os.replace(tmp, path)
+        finally:  # a failed write leaves no stray file beside the codecs (as store/staging.py's writes)
+            tmp.unlink(missing_ok=True)
 
     @classmethod
     def load(cls, path: Path) -> "Stats":
