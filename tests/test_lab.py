@@ -139,6 +139,20 @@ def test_long_contexts_are_measured_with_fewer_rounds():
     assert reps_at(2 * LONG_CONTEXT, 1) == 1  # never more than asked
 
 
+def test_whole_bucket_reads_run_in_a_few_rounds_spread_over_the_block():
+    from engine.lab.profiling import LONG_REPS, _medians_ms, long_rounds
+
+    assert long_rounds(9, 2) == {0, 2, 6, 10}  # a warm-up, then the first, middle and last timed rounds
+    assert long_rounds(4, 2) == {0, 2, 3, 5} and long_rounds(1, 2) == {0, 2} and long_rounds(2, 0) == {0, 1}
+    calls = {"short": 0, "long": 0, "then": 0}
+
+    def bump(name):
+        return lambda: calls.__setitem__(name, calls[name] + 1)
+
+    ms = _medians_ms([(bump("short"), bump("then")), (bump("long"), None)], 9, 2, lambda: None, sparse={1})
+    assert len(ms) == 2 and calls == {"short": 11, "long": 1 + min(LONG_REPS, 9), "then": 11}
+
+
 def test_calibration_scales_each_draft_length_to_its_live_steps():
     from engine.decode.costs import CALIBRATE_MIN, calibrate
     from store import Store

@@ -28,7 +28,8 @@ CONTEXT_BUCKETS = (64, 256, 512, 1024)
 EXTRAPOLATE_STRIDE = 128
 REPS = 9  # timed forwards per point, in turns with every other point: enough for a steady median
 # Past this context a round's forwards are long enough to time steadily with fewer of them
-# (`reps_at`): each round reads the bucket's prompt into the target and into the draft.
+# (`reps_at`): a round of verifies and proposer steps at 1,024 tokens takes 5 s on one thread (the
+# whole-bucket reads, seconds more, run in a few rounds only: profiling.LONG_REPS).
 LONG_CONTEXT = 512
 WARMUP = 2  # rounds discarded before timing: first calls allocate and pick kernels
 CALIBRATE_MIN = 12  # live steps of one draft length before their median ratio is trusted

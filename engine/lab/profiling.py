@@ -116,6 +116,10 @@ def _target_laws(pair, ids, out, temperature, kv_tier: str = "native") -> torch.
 # Plain steps before the timed draft that prices another proposer's warm catch-up: each is a target
 # forward per repetition, and the catch-up per token is linear enough that two show it.
 WARM_STEPS = 2
+# Timed reads of a whole bucket (the target's prefill, the draft's cold read), spread over a
+# bucket's rounds: seconds each at long contexts, so steady in fewer samples, and 70% of every round
+# at 512 tokens (one thread: 8.4 of 12 s) when timed in all of them.
+LONG_REPS = 3
 
 
 @torch.inference_mode()
@@ -125,7 +129,8 @@ def measure_costs(pair: ModelPair, buckets: tuple[int, ...] = CONTEXT_BUCKETS, r
     """Times the live oracles on a context of `bucket` random tokens: one drafted token (a draft
     forward, its law and signals), a verify of k = 0..8 drafted tokens (the target forward under
     the pair's verify mode, acceptance, roll-back), the target's prefill and the draft's catch-up
-    reads (the bucket's tokens into an empty cache; K_MAX tokens after them); and filling a cache from the prefix cache, per position. Medians after warm-up.
+    reads (the bucket's tokens into an empty cache; K_MAX tokens after them); and filling a cache from the prefix cache, per position. Medians after warm-up; the
+    prefill and the cold read (a whole bucket each) in LONG_REPS of the rounds.
     Each other proposer (`proposers`, default: all the pair has) is timed in the same turns as a
     live run drives it (`_Driven`). The target's cache is at `kv_tier`: its reads dequantize the
     context (the draft's stays native)."""
@@ -170,7 +175,7 @@ def measure_costs(pair: ModelPair, buckets: tuple[int, ...] = CONTEXT_BUCKETS, r
                  (lambda: prefill(ids[:b]), None), (lambda: draft_read(pair, ids[:b], None), None), (warm_read, None)]
         for d in driven:  # a fresh one's first draft, one after a verify, one after WARM_STEPS plain steps
             timed += [(d.propose, d.step), (d.propose, lambda d=d: d.step(WARM_STEPS)), (d.propose, d.fresh)]
-        ms = _medians_ms(timed, reps_at(b, reps), WARMUP, sync)
+        ms = _medians_ms(timed, reps_at(b, reps), WARMUP, sync, sparse={K_MAX + 2, K_MAX + 3})
         draft_ms.append(ms[0])
         verify_ms.append(ms[1 : K_MAX + 2])
         prefill_ms.append(ms[K_MAX + 2])
@@ -233,12 +238,16 @@ def _draft_cost(per_bucket: list[list[float]]) -> DraftCost:
 
 
 def _medians_ms(timed: list[tuple[Callable[[], object], Callable[[], object] | None]], reps: int, warmup: int,
-                sync: Callable[[], None]) -> list[float]:
+                sync: Callable[[], None], sparse: set[int] = frozenset()) -> list[float]:
     """common.medians_ms over (timed, then untimed) pairs: each round calls every pair in turn,
-    timing only the first function (the second sets up the next call: a proposer's verify)."""
+    timing only the first function (the second sets up the next call: a proposer's verify). The
+    pairs at indices in `sparse` run in `long_rounds` alone."""
     times: list[list[float]] = [[] for _ in timed]
+    few = long_rounds(reps, warmup)
     for r in range(warmup + reps):
-        for (fn, then), ts in zip(timed, times):
+        for i, ((fn, then), ts) in enumerate(zip(timed, times)):
+            if i in sparse and r not in few:
+                continue
             sync()
             t0 = time.perf_counter()
             fn()
@@ -248,6 +257,13 @@ def _medians_ms(timed: list[tuple[Callable[[], object], Callable[[], object] | N
             if then is not None:
                 then()
     return [statistics.median(ts) for ts in times]
+
+
+def long_rounds(reps: int, warmup: int, n: int = LONG_REPS) -> set[int]:
+    """The rounds a long read runs in: the first (its warm-up) and min(n, reps) timed rounds spread
+    evenly over the `reps` after `warmup`, so that they stay in turns with the rest of the block."""
+    n = min(n, reps)
+    return {0} | {warmup + i * (reps - 1) // max(n - 1, 1) for i in range(n)}
 
 
 # -- sweeps ----------------------------------------------------------------------------------------
