@@ -117,8 +117,8 @@ def _target_laws(pair, ids, out, temperature, kv_tier: str = "native") -> torch.
 # forward per repetition, and the catch-up per token is linear enough that two show it.
 WARM_STEPS = 2
 # Timed reads of a whole bucket (the target's prefill, the draft's cold read), spread over a
-# bucket's rounds: seconds each at long contexts, so steady in fewer samples, and 70% of every round
-# at 512 tokens (one thread: 8.4 of 12 s) when timed in all of them.
+# bucket's rounds: seconds each at long contexts, so steady in fewer samples, and most of a round
+# when timed in all of them (one thread, 512 tokens: 4.0 s + 4.4 s of a 12 s round).
 LONG_REPS = 3
 
 
