@@ -129,8 +129,9 @@ def measure_costs(pair: ModelPair, buckets: tuple[int, ...] = CONTEXT_BUCKETS, r
     """Times the live oracles on a context of `bucket` random tokens: one drafted token (a draft
     forward, its law and signals), a verify of k = 0..8 drafted tokens (the target forward under
     the pair's verify mode, acceptance, roll-back), the target's prefill and the draft's catch-up
-    reads (the bucket's tokens into an empty cache; K_MAX tokens after them); and filling a cache from the prefix cache, per position. Medians after warm-up; the
-    prefill and the cold read (a whole bucket each) in LONG_REPS of the rounds.
+    reads (the bucket's tokens into an empty cache; K_MAX tokens after them); and filling a cache
+    from the prefix cache, per position. Medians after warm-up; the prefill and the cold read (a
+    whole bucket each) in LONG_REPS of the rounds.
     Each other proposer (`proposers`, default: all the pair has) is timed in the same turns as a
     live run drives it (`_Driven`). The target's cache is at `kv_tier`: its reads dequantize the
     context (the draft's stays native)."""
@@ -238,7 +239,7 @@ def _draft_cost(per_bucket: list[list[float]]) -> DraftCost:
 
 
 def _medians_ms(timed: list[tuple[Callable[[], object], Callable[[], object] | None]], reps: int, warmup: int,
-                sync: Callable[[], None], sparse: set[int] = frozenset()) -> list[float]:
+                sync: Callable[[], None], sparse: set[int] | frozenset[int] = frozenset()) -> list[float]:
     """common.medians_ms over (timed, then untimed) pairs: each round calls every pair in turn,
     timing only the first function (the second sets up the next call: a proposer's verify). The
     pairs at indices in `sparse` run in `long_rounds` alone."""
