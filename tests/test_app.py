@@ -80,9 +80,11 @@ def test_cost_aware_policies_run_live_and_say_what_they_miss(app_env):
     at.button(key="live_generate").click().run(timeout=120)
     assert not at.exception and not _errors(at), _errors(at)
     with Store(app_env) as store:
-        costs = store.costs()  # four context buckets, for the draft model, the n-gram lookup and the suffix counts
-        assert list(store.runs()["policy"]) == ["rakv"] and len(costs) == 12
-        assert sorted(costs["proposer"]) == ["draft"] * 4 + ["ngram"] * 4 + ["suffix"] * 4
+        # The buckets a 12-token run reaches (64 and 256 tokens, two for a slope), for the draft
+        # model, the n-gram lookup and the suffix counts
+        costs = store.costs()
+        assert list(store.runs()["policy"]) == ["rakv"] and len(costs) == 6 and set(costs["ctx_bucket"]) == {64, 256}
+        assert sorted(costs["proposer"]) == ["draft"] * 2 + ["ngram"] * 2 + ["suffix"] * 2
     why = at.dataframe[0].value["why"].tolist()  # every choice says why, in one line
     assert why[0] == "prefill" and all(w and "\n" not in w for w in why)
     # Each names the proposer it drafts with (rakv chooses among all the pair has), or plain.

@@ -130,6 +130,48 @@ def test_cost_table_lookup_uses_the_bucket_at_or_below_and_grows_past_the_last()
     assert t.catchup_cost(0, 4, 5000) == 4 * 0.5
 
 
+def test_a_table_holds_the_buckets_its_runs_reach():
+    from engine.decode.costs import CONTEXT_BUCKETS, buckets_for
+
+    assert CONTEXT_BUCKETS == (64, 256, 512, 1024)
+    assert buckets_for(None, 8192) == CONTEXT_BUCKETS  # any run: every bucket
+    assert buckets_for(40, 8192) == buckets_for(256, 8192) == (64, 256)  # two at least: a slope past the last
+    assert buckets_for(257, 8192) == (64, 256, 512) and buckets_for(5000, 8192) == CONTEXT_BUCKETS
+    assert buckets_for(5000, 300) == (64, 256) and buckets_for(10, 40) == (64,)  # what the model's context holds
+
+
+def test_a_longer_run_extends_the_stored_table_and_keeps_what_was_measured(tiny_pair, monkeypatch):
+    """A first short run measures the buckets it reaches; the same reach reads the stored table;
+    a longer one measures only the buckets it lacks and stores the table extended by them, its
+    first buckets, fill cost and calibration as they were."""
+    from dataclasses import replace
+
+    from engine.lab import profiling
+    from engine.service import cost_key, cost_table, reach, stored_costs
+    from store import Store
+
+    asked = []
+
+    def spy(pair, buckets, **kw):  # the real measurement (one timed round), its buckets noted
+        asked.append(buckets)
+        return measure_costs(pair, buckets, 1, **kw)
+
+    monkeypatch.setattr(profiling, "measure_costs", spy)
+    with Store(":memory:") as st:
+        short = cost_table(st, tiny_pair, context=reach(20, 40))
+        assert short.buckets == [64, 256] and asked == [(64, 256)]
+        calibrated = replace(short, step_factor=[1.5] * 9)
+        st.add_costs(calibrated.to_rows(1))  # as `costs --calibrate` leaves it
+        assert cost_table(st, tiny_pair, context=200).step_factor == [1.5] * 9 and len(asked) == 1
+        long = cost_table(st, tiny_pair, context=reach(500, 128))
+        assert asked == [(64, 256), (512, 1024)] and long.buckets == [64, 256, 512, 1024]
+        for k, ctx in ((0, 10), (4, 100), (8, 300)):
+            assert long.step_ms(k, ctx, "ngram") == calibrated.step_ms(k, ctx, "ngram")
+        assert long.fill_ms == short.fill_ms and long.prefill_ms[:2] == short.prefill_ms
+        assert stored_costs(st, cost_key(tiny_pair)).buckets == long.buckets
+        assert cost_table(st, tiny_pair).buckets == long.buckets and len(asked) == 2  # a run of any length reads it
+
+
 def test_long_contexts_are_measured_with_fewer_rounds():
     from engine.decode.costs import CONTEXT_BUCKETS, LONG_CONTEXT, REPS, reps_at
 

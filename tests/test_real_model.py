@@ -72,7 +72,7 @@ def test_prefix_reuse_keeps_greedy_output_for_every_policy(pair):
     from engine.lab.generation import encode_messages
     from engine.runtime.prefix_cache import PrefixCache
 
-    system = {"role": "system", "content": " ".join(p for _, p in bench_prompts(3))}
+    system = {"role": "system", "content": " ".join(p for _, p in bench_prompts(1))}  # 89 tokens
     q1 = [system, {"role": "user", "content": "Write a haiku about caches."}]
     q2 = [system, {"role": "user", "content": "What is 17 times 23?"}]
     plain_first = Generation(pair, encode_messages(pair.tokenizer, q1), make_policy("ar"), GenConfig(max_new_tokens=24)).run()

@@ -15,8 +15,9 @@ from engine.base.names import KV_TIERS, WEIGHT_TIERS
 from engine.datasets.prompts import WORKBENCH_PROMPT
 from engine.decode.policies import DEFAULT_POLICY, POLICY_EXAMPLES, parse_policy
 from engine.lab import side_by_side as C
+from engine.lab.generation import encode_prompt
 from engine.lab.slots import decode_slot
-from engine.service import context_for, replay_rows
+from engine.service import context_for, reach, replay_rows
 from engine.service.runs import Request, check, run_policies
 from store import Store
 from views.common import get_pair, get_suffix_history, save_run, settings, show_error
@@ -89,9 +90,11 @@ def run_compare(inp: dict) -> dict | None:
         check(req)  # a bad value fails before any model loads
         pair = get_pair(s, inp["tier"])
         st.session_state[PROPOSERS_KEY] = C.proposers_of(pair)
+        longest = max(len(encode_prompt(pair.tokenizer, p, inp["chat"])) for p in prompts)
         with st.spinner("Reading cost tables and controllers (measured once when missing)…"):
             with decode_slot("a comparison (cost tables)", on_wait):  # measuring a cost table runs the models
-                ctxs = {spec: context_for(s.db, pair, spec, kv_tier=inp["kv_tier"]) for spec in specs}
+                ctxs = {spec: context_for(s.db, pair, spec, kv_tier=inp["kv_tier"],
+                                          context=reach(longest, inp["max_new_tokens"])) for spec in specs}
         total = len(specs) * len(prompts)
 
         def on_run(res: C.Result) -> None:

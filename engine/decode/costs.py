@@ -35,6 +35,17 @@ WARMUP = 2  # rounds discarded before timing: first calls allocate and pick kern
 CALIBRATE_MIN = 12  # live steps of one draft length before their median ratio is trusted
 
 
+def buckets_for(context: int | None, max_context: int, buckets: tuple[int, ...] = CONTEXT_BUCKETS) -> tuple[int, ...]:
+    """The buckets a table needs for runs reaching `context` tokens (None: any run): those up to
+    the first at or past it, two at least (past the last, costs follow the slope of two). Buckets
+    whose verify the model's context cannot hold are left out (the smallest stays)."""
+    fits = tuple(b for b in buckets if b + K_MAX + 2 <= max_context) or (min(buckets),)
+    if context is None:
+        return fits
+    upto = next((i + 1 for i, b in enumerate(fits) if b >= context), len(fits))
+    return fits[: max(upto, 2)]
+
+
 def reps_at(bucket: int, reps: int) -> int:
     """Timed rounds at a context bucket: `reps`, past LONG_CONTEXT fewer in proportion (at least
     3 for a median, never more than `reps`)."""
@@ -162,6 +173,21 @@ class CostTable:
         i = min(max(bisect.bisect_right(xs, tokens) - 1, 0), max(len(xs) - 2, 0))
         slope = (ms[i + 1] - ms[i]) / (xs[i + 1] - xs[i]) if len(xs) > 1 else ms[0] / xs[0]
         return max(ms[i] + slope * (tokens - xs[i]), 0.0)
+
+    def extended(self, more: "CostTable") -> "CostTable":
+        """This table with `more`'s buckets (measured later, for longer runs) past its last: its own
+        buckets, fill cost and calibration stay as they are, so that whatever ran within them is
+        decided and replayed alike. Proposers `more` did not measure are dropped."""
+        assert more.buckets[0] > self.buckets[-1], (self.buckets, more.buckets)
+        cat = lambda a, b: a + b if a is not None and b is not None else None  # noqa: E731
+        theirs = more.proposer_costs
+        return replace(self, buckets=self.buckets + more.buckets, draft_ms=self.draft_ms + more.draft_ms,
+                       verify_ms=self.verify_ms + more.verify_ms, prefill_ms=cat(self.prefill_ms, more.prefill_ms),
+                       cold_read_ms=cat(self.cold_read_ms, more.cold_read_ms),
+                       warm_read_ms=cat(self.warm_read_ms, more.warm_read_ms),
+                       proposer_costs={n: DraftCost(c.ms + theirs[n].ms, cat(c.cold_read_ms, theirs[n].cold_read_ms),
+                                                    cat(c.warm_read_ms, theirs[n].warm_read_ms))
+                                       for n, c in self.proposer_costs.items() if n in theirs})
 
     @classmethod
     def from_rows(cls, rows: list[dict]) -> "CostTable":

@@ -19,7 +19,7 @@ from typing import Callable, Iterable
 import torch
 
 from engine.base.helpers import median_ms
-from engine.decode.costs import CONTEXT_BUCKETS, REPS, WARMUP, CostTable, DraftCost, reps_at
+from engine.decode.costs import CONTEXT_BUCKETS, REPS, WARMUP, CostTable, DraftCost, buckets_for, reps_at
 from engine.decode.policies import K_MAX, make_policy
 from engine.decode.records import UNBOUNDED, DraftToken
 from engine.lab.generation import GenConfig, Generation, encode_prompt
@@ -136,7 +136,7 @@ def measure_costs(pair: ModelPair, buckets: tuple[int, ...] = CONTEXT_BUCKETS, r
     live run drives it (`_Driven`). The target's cache is at `kv_tier`: its reads dequantize the
     context (the draft's stays native)."""
     dev = pair.device
-    buckets = tuple(b for b in buckets if b + K_MAX + 2 <= pair.max_context) or (min(buckets),)
+    buckets = buckets_for(None, pair.max_context, buckets)
     others = [n for n in (proposers or available(pair)) if n != "draft"]
     gen = torch.Generator().manual_seed(0)
     sampler = Sampler(0.0, 1.0, None, dev)

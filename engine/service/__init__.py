@@ -17,6 +17,7 @@ from engine.service.cost_tables import (
     cost_key,
     cost_table,
     policy_context,
+    reach,
     stored_costs,
 )
 from engine.service.export import save_export, stored_exports
@@ -59,6 +60,6 @@ __all__ = [
     "ALPHA_MIN_STEPS", "MEASURE_KV_MINUTES", "TRACE_IDENTITY", "TRACE_POLICIES", "calibrate_all", "calibrate_costs",
     "context_for", "controller_loader", "cost_key", "cost_table", "format_sweep", "format_tune", "kv_view",
     "latest_kv_measurement", "latest_live_run", "measure_kv", "newest_traces", "parse_kv_tiers", "parse_tiers",
-    "policy_context", "profile", "prompt_set", "replay_all", "replay_rows", "retrain", "save_export", "store_run",
+    "policy_context", "profile", "prompt_set", "reach", "replay_all", "replay_rows", "retrain", "save_export", "store_run",
     "stored_costs", "stored_exports", "stored_keys", "sweep_table", "tier_label", "trace_prompts", "tune_kv",
 ]

@@ -6,9 +6,10 @@ from typing import Callable
 
 from engine.base.names import COST_KEY
 from engine.decode.acceptance import Predictor
-from engine.decode.costs import REPS, CostTable, calibrate
+from engine.decode.costs import REPS, CostTable, buckets_for, calibrate
 from engine.decode.policies import NEEDS_CONTEXT, PolicyContext, make_policy, parse_policy
 from engine.decode.policies.rakv import default_prior
+from engine.decode.records import K_MAX
 from engine.lab.whatif import tier_label
 from store import Store
 
@@ -39,19 +40,39 @@ def stored_costs(store: Store, key: tuple) -> CostTable | None:
     return CostTable.from_rows(rows) if rows else None
 
 
-def cost_table(store: Store, pair, say: Callable[[str], None] = lambda m: None, kv_tier: str = "native") -> CostTable:
-    """The newest stored cost table for this pair, tier and KV tier; measured (and stored) when
-    absent, or when it lacks a proposer the pair has (a table from before that proposer)."""
+def reach(prompt_tokens: int, max_new_tokens: int) -> int:
+    """The context a run reaches (`cost_table`'s `context`): its prompt, its output, and a verify
+    of K_MAX drafted tokens past them."""
+    return prompt_tokens + max_new_tokens + K_MAX + 1
+
+
+def cost_table(store: Store, pair, say: Callable[[str], None] = lambda m: None, kv_tier: str = "native",
+               context: int | None = None) -> CostTable:
+    """The newest stored cost table for this pair, tier and KV tier, pricing runs up to `context`
+    tokens (None: any run, every bucket). Measured (and stored) when absent, or when it lacks a
+    proposer the pair has (a table from before that proposer): only the buckets `context` needs,
+    so that a first short comparison does not wait for the 1,024-token reads; a longer run later
+    measures the buckets it lacks and stores the table extended by them."""
     from engine.oracles import available
 
+    want = buckets_for(context, pair.max_context)
     table = stored_costs(store, cost_key(pair, kv_tier))
     if table is None or not set(available(pair)) <= set(table.proposers):
-        from engine.lab.profiling import measure_costs
-
-        say(f"measuring costs for {pair.target_name} at {tier_label(pair.target_tier, kv_tier)} (once; stored)…")
-        table = measure_costs(pair, kv_tier=kv_tier)
-        store.add_costs(table.to_rows(REPS))
+        table = _measured(pair, want, say, kv_tier)
+    elif more := tuple(b for b in want if b > table.buckets[-1]):
+        table = table.extended(_measured(pair, more, say, kv_tier))
+    else:
+        return table
+    store.add_costs(table.to_rows(REPS))
     return table
+
+
+def _measured(pair, buckets: tuple[int, ...], say: Callable[[str], None], kv_tier: str) -> CostTable:
+    from engine.lab.profiling import measure_costs
+
+    at = ", ".join(map(str, buckets))
+    say(f"measuring costs for {pair.target_name} at {tier_label(pair.target_tier, kv_tier)}, contexts {at} (once; stored)…")
+    return measure_costs(pair, buckets, kv_tier=kv_tier)
 
 
 def calibrate_costs(store: Store, key: tuple) -> CostTable:
@@ -107,27 +128,28 @@ def acceptance_priors(store: Store, key: tuple, proposers) -> dict[str, float]:
 
 
 def policy_context(store: Store, pair, say: Callable[[str], None] = lambda m: None,
-                   kv_tier: str = "native") -> PolicyContext:
-    """What `speckv`/`rakv` need on this pair at this KV tier: its cost table, the store's
-    controllers, and the pair's per-token acceptance on this tier where stored runs measured it
-    (rakv's prior)."""
+                   kv_tier: str = "native", context: int | None = None) -> PolicyContext:
+    """What `speckv`/`rakv` need on this pair at this KV tier for runs up to `context` tokens (None:
+    any): its cost table, the store's controllers, and the pair's per-token acceptance on this
+    tier where stored runs measured it (rakv's prior)."""
     from engine.oracles import available
 
     priors = acceptance_priors(store, cost_key(pair, kv_tier), available(pair))
-    return PolicyContext(costs=cost_table(store, pair, say, kv_tier), controller=controller_loader(store),
+    return PolicyContext(costs=cost_table(store, pair, say, kv_tier, context), controller=controller_loader(store),
                          alpha0=priors.get("draft"), priors=priors)
 
 
 def context_for(db: str, pair, spec: str, say: Callable[[str], None] = lambda m: None,
-                kv_tier: str = "native") -> PolicyContext | None:
-    """The PolicyContext `spec` needs on `pair` at `kv_tier` (None for policies that need
-    nothing), loaded from the store now so that a long generation holds no database file open."""
+                kv_tier: str = "native", context: int | None = None) -> PolicyContext | None:
+    """The PolicyContext `spec` needs on `pair` at `kv_tier` for runs up to `context` tokens (None
+    for policies that need nothing), loaded from the store now so that a long generation holds no
+    database file open."""
     name = parse_policy(spec)[0]
     if name not in NEEDS_CONTEXT:
         return None
     if not db:
         raise ValueError(f"policy {name} reads its cost table and controller from a database: pass --db")
     with Store(db) as st:
-        ctx = policy_context(st, pair, say, kv_tier)
+        ctx = policy_context(st, pair, say, kv_tier, context)
         make_policy(spec, ctx)  # loads (and caches) the controller while the file is open
     return ctx

@@ -17,7 +17,7 @@ from engine.decode.policies import DEFAULT_POLICY, make_policy, parse_policy
 from engine.lab.side_by_side import Result, check_policies, shared_seed
 from engine.lab.slots import decode_slot
 from engine.oracles.suffix import SUFFIX_BUDGET, SuffixHistory, check_budget, prompt_key
-from engine.service.cost_tables import context_for
+from engine.service.cost_tables import context_for, reach
 from store import Store
 
 AUTO = object()  # open_generation's context: read it from the database (context_for)
@@ -76,9 +76,10 @@ def open_generation(pair, req: Request, db: str | None = None, context: Any = AU
 
     parse_policy(req.policy)  # check(req), keeping the config it makes
     cfg = req.config()
-    ctx = context_for(db or "", pair, req.policy, say, req.kv_tier) if context is AUTO else context
     ids = prompt_ids if prompt_ids is not None else encode_prompt(pair.tokenizer, req.prompt, req.chat)
-    return Generation(pair, ids, make_policy(req.policy, ctx), cfg, prefix, history)
+    if context is AUTO:
+        context = context_for(db or "", pair, req.policy, say, req.kv_tier, reach(len(ids), cfg.max_new_tokens))
+    return Generation(pair, ids, make_policy(req.policy, context), cfg, prefix, history)
 
 
 def run_row(gen, req: Request) -> dict[str, Any]:

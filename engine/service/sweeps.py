@@ -9,7 +9,7 @@ from engine.base.names import KV_TIERS, WEIGHT_TIERS
 from engine.base.stats import ratio_ci95
 from engine.decode.policies import NEEDS_CONTEXT, parse_policy, split_spec
 from engine.lab.whatif import tier_label
-from engine.service.cost_tables import policy_context
+from engine.service.cost_tables import policy_context, reach
 from store import Store
 
 TRACE_POLICIES = "ar,fixed:1,fixed:2,fixed:3,fixed:4,fixed:6,fixed:8,heuristic,rules,speckv,rakv"
@@ -94,6 +94,7 @@ def profile(st: Store, sweep: str, jobs: list, load: Callable[[str], object], ma
     a rerun resumes. Whatever runs the models (a KV tier's cost measurement, each run) runs inside
     `guard(job)`: the workbench takes its decode slot there, and stops a sweep between runs by
     raising from it (engine/service/jobs.py). Returns how many ran."""
+    from engine.lab.generation import encode_prompt
     from engine.lab.profiling import pending
     from engine.service.runs import Request, generate
 
@@ -104,8 +105,9 @@ def profile(st: Store, sweep: str, jobs: list, load: Callable[[str], object], ma
         for kv_tier in dict.fromkeys(j.kv_tier for j in todo if j.tier == tier):
             mine = [j for j in todo if j.tier == tier and j.kv_tier == kv_tier]
             learned = any(parse_policy(j.policy)[0] in NEEDS_CONTEXT for j in mine)
+            longest = max(len(encode_prompt(pair.tokenizer, j.prompt, True)) for j in mine)  # Request's chat
             with guard(mine[0]):
-                ctx = policy_context(st, pair, say, kv_tier) if learned else None
+                ctx = policy_context(st, pair, say, kv_tier, reach(longest, max_new_tokens)) if learned else None
             for job in mine:
                 req = Request(job.prompt, job.policy, task=job.task, max_new_tokens=max_new_tokens,
                               kv_tier=job.kv_tier, sweep=sweep)
