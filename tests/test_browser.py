@@ -22,6 +22,9 @@ CLICK_MS = 60_000  # a page's heading shows within seconds of its link's click
 # here, the machine's own speed moving by a quarter between runs), so the test asserts the floor that
 # catches the kind of bug the page had (Streamlit's file watcher: 0.23; a racy press: 0.28).
 FLOOR = 0.6
+# Alternating CLI/page pairs (`bench browser` takes 5): each CLI run is a process that loads the
+# pair (~25 s here), and the floor sits far enough below the ratio measured that 3 pairs' median shows it.
+ROUNDS = 3
 
 pytestmark = pytest.mark.slow
 
@@ -70,7 +73,7 @@ def test_live_decode_in_the_browser_keeps_up_with_the_cli(session):
     page, url, env = session
     # Same generation, same machine, CLI and page runs alternating: the page must not make the
     # engine look slower than it is.
-    r = B.paired(page, url, env, B.DEFAULT_PROMPT, SAME, 64)
+    r = B.paired(page, url, env, B.DEFAULT_PROMPT, SAME, 64, rounds=ROUNDS)
     print("\n" + B.report(r))
     shown = r["browser_metrics"]
     assert float(shown["Tokens/step"]) == round(r["cli_tokens_per_step"], 2), (shown, r["cli_tokens_per_step"])

@@ -138,6 +138,7 @@ def test_a_table_holds_the_buckets_its_runs_reach():
     assert buckets_for(40, 8192) == buckets_for(256, 8192) == (64, 256)  # two at least: a slope past the last
     assert buckets_for(257, 8192) == (64, 256, 512) and buckets_for(5000, 8192) == CONTEXT_BUCKETS
     assert buckets_for(5000, 300) == (64, 256) and buckets_for(10, 40) == (64,)  # what the model's context holds
+    assert buckets_for(40, 8192, at_least=1) == (64,)  # extending a table: what the run reaches alone
 
 
 def test_a_longer_run_extends_the_stored_table_and_keeps_what_was_measured(tiny_pair, monkeypatch):
@@ -170,6 +171,8 @@ def test_a_longer_run_extends_the_stored_table_and_keeps_what_was_measured(tiny_
         assert long.fill_ms == short.fill_ms and long.prefill_ms[:2] == short.prefill_ms
         assert stored_costs(st, cost_key(tiny_pair)).buckets == long.buckets
         assert cost_table(st, tiny_pair).buckets == long.buckets and len(asked) == 2  # a run of any length reads it
+        st.add_costs(measure_costs(tiny_pair, (8, 32), 1).to_rows(1))  # `costs --buckets 8,32`, then a 50-token run
+        assert cost_table(st, tiny_pair, context=50).buckets == [8, 32, 64] and asked[2:] == [(64,)]
 
 
 def test_long_contexts_are_measured_with_fewer_rounds():

@@ -106,8 +106,10 @@ def test_kv_codec_round_trips_real_kv_and_a_paused_generation_resumes_exactly(pa
         pytest.skip("the codec check runs on the bf16 target")
     monkeypatch.setenv("SPECLAB_CACHE", str(tmp_path))  # a fresh fit, not a cached file
     ids = conversation_ids(pair.tokenizer, 300, "heldout")
+    # Fitted on 256 calibration tokens: at 512 the three tiers' fits took 83 of the test's 208 s;
+    # at 256 the coded windows stay at 0.22-0.30 of raw (the bound below is 1/2).
     kit = codec_kit(pair.target, "q8_0", tokenizer=pair.tokenizer,
-                    calibration_ids=conversation_ids(pair.tokenizer, 512, "calibration"))
+                    calibration_ids=conversation_ids(pair.tokenizer, 256, "calibration"))
     for tier in KV_TIERS:
         with torch.inference_mode():
             _, cache = forward_logits(pair.target, ids, new_cache(pair.target, tier), 1)

@@ -35,15 +35,17 @@ WARMUP = 2  # rounds discarded before timing: first calls allocate and pick kern
 CALIBRATE_MIN = 12  # live steps of one draft length before their median ratio is trusted
 
 
-def buckets_for(context: int | None, max_context: int, buckets: tuple[int, ...] = CONTEXT_BUCKETS) -> tuple[int, ...]:
+def buckets_for(context: int | None, max_context: int, buckets: tuple[int, ...] = CONTEXT_BUCKETS,
+                at_least: int = 2) -> tuple[int, ...]:
     """The buckets a table needs for runs reaching `context` tokens (None: any run): those up to
-    the first at or past it, two at least (past the last, costs follow the slope of two). Buckets
-    whose verify the model's context cannot hold are left out (the smallest stays)."""
+    the first at or past it, `at_least` of them (a new table two: past its last bucket, costs
+    follow the slope of two). Buckets whose verify the model's context cannot hold are left out
+    (the smallest stays)."""
     fits = tuple(b for b in buckets if b + K_MAX + 2 <= max_context) or (min(buckets),)
     if context is None:
         return fits
     upto = next((i + 1 for i, b in enumerate(fits) if b >= context), len(fits))
-    return fits[: max(upto, 2)]
+    return fits[: max(upto, at_least)]
 
 
 def reps_at(bucket: int, reps: int) -> int:

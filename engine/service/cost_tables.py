@@ -55,11 +55,10 @@ def cost_table(store: Store, pair, say: Callable[[str], None] = lambda m: None, 
     measures the buckets it lacks and stores the table extended by them."""
     from engine.oracles import available
 
-    want = buckets_for(context, pair.max_context)
     table = stored_costs(store, cost_key(pair, kv_tier))
     if table is None or not set(available(pair)) <= set(table.proposers):
-        table = _measured(pair, want, say, kv_tier)
-    elif more := tuple(b for b in want if b > table.buckets[-1]):
+        table = _measured(pair, buckets_for(context, pair.max_context), say, kv_tier)
+    elif more := tuple(b for b in buckets_for(context, pair.max_context, at_least=1) if b > table.buckets[-1]):
         table = table.extended(_measured(pair, more, say, kv_tier))
     else:
         return table
