@@ -105,9 +105,11 @@ def profile(st: Store, sweep: str, jobs: list, load: Callable[[str], object], ma
         for kv_tier in dict.fromkeys(j.kv_tier for j in todo if j.tier == tier):
             mine = [j for j in todo if j.tier == tier and j.kv_tier == kv_tier]
             learned = any(parse_policy(j.policy)[0] in NEEDS_CONTEXT for j in mine)
-            longest = max(len(encode_prompt(pair.tokenizer, j.prompt, True)) for j in mine)  # Request's chat
             with guard(mine[0]):
-                ctx = policy_context(st, pair, say, kv_tier, reach(longest, max_new_tokens)) if learned else None
+                ctx = None
+                if learned:  # priced up to the longest prompt's reach (encoded as Request's chat default does)
+                    longest = max(len(encode_prompt(pair.tokenizer, j.prompt, True)) for j in mine)
+                    ctx = policy_context(st, pair, say, kv_tier, reach(longest, max_new_tokens))
             for job in mine:
                 req = Request(job.prompt, job.policy, task=job.task, max_new_tokens=max_new_tokens,
                               kv_tier=job.kv_tier, sweep=sweep)
