@@ -100,3 +100,37 @@ def _read_in(model, ids, chunks):
         out = model(input_ids=torch.tensor([ids[pos : pos + n]]), cache=out.cache, use_cache=True, logits_to_keep=1)
         pos += n
     return out.logits[0, -1], [t for layer in out.cache.layers for t in (layer.keys, layer.values)]
+
+
+def test_an_int8_stored_draft_reads_through_the_int8_kernel_row_invariant(tmp_path):
+    """A SpecLab draft loaded for decoding at bf16 on a CPU keeps its int8-stored matrices and
+    reads them through torch's int8 weight-only kernel: each linear computes rows · int8ᵀ · scale
+    (what its dequantized weight holds, to bf16 rounding), the row-invariance probe takes it, and
+    reads in any chunking agree bit for bit. At fp32, or loaded for training, nothing changes."""
+    from transformers import AutoModelForCausalLM
+
+    from engine.runtime import draft_model as draftlib
+    from tiny import save_tiny_llama
+
+    target = AutoModelForCausalLM.from_pretrained(save_tiny_llama(tmp_path / "t", seed=3, layers=2, hidden=64)).eval()
+    emb = target.get_input_embeddings().weight.detach().float()
+    draftlib.save_draft(draftlib.build_draft(target, [0, 1]), tmp_path / "d", {"target_fingerprint": draftlib.fingerprint(emb)})
+    cpu = torch.device("cpu")
+    draft = draftlib.load_draft(tmp_path / "d", emb, cpu, torch.bfloat16, int8=True)
+    linears = [m for m in draft.model.modules() if isinstance(m, torch.nn.Linear)]
+    assert linears and all(m.speclab_int8[0].dtype == torch.int8 for m in linears)
+    gen = torch.Generator().manual_seed(0)
+    assert invariance.make_row_invariant(draft)
+    for m in linears:
+        x = torch.randn(3, m.in_features, generator=gen).bfloat16()
+        want = torch.nn.functional.linear(x.float(), m.weight.float())  # the dequantized weight
+        torch.testing.assert_close(m(x).float(), want, atol=0.02, rtol=0.02)
+    ids = torch.randint(5, 80, (120,), generator=torch.Generator().manual_seed(1)).tolist()
+    with torch.inference_mode():
+        reads = [_read_in(draft, ids, chunks) for chunks in ([1] * 100, [100], [3, 30, 67])]
+    for logits, kv in reads[1:]:
+        assert torch.equal(logits, reads[0][0])
+        assert all(torch.equal(a, b) for a, b in zip(kv, reads[0][1]))
+    for dtype, int8 in ((torch.float32, True), (torch.bfloat16, False)):
+        other = draftlib.load_draft(tmp_path / "d", emb, cpu, dtype, int8=int8)
+        assert not any(hasattr(m, "speclab_int8") for m in other.modules())

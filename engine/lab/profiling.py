@@ -23,7 +23,7 @@ from engine.decode.costs import CONTEXT_BUCKETS, REPS, WARMUP, CostTable, DraftC
 from engine.decode.policies import K_MAX, make_policy
 from engine.decode.records import UNBOUNDED, DraftToken
 from engine.lab.generation import GenConfig, Generation, encode_prompt
-from engine.oracles import PROPOSERS, available, build
+from engine.oracles import PROPOSERS, available, build, draft_head
 from engine.oracles.model import DraftModelProposer, TargetVerifier, draft_read, target_reads
 from engine.oracles.sampling import Sampler, warp
 from engine.runtime.forward import crop_to, forward_logits, sync_device
@@ -144,6 +144,9 @@ def measure_costs(pair: ModelPair, buckets: tuple[int, ...] = CONTEXT_BUCKETS, r
     draft_ms, verify_ms, prefill_ms, cold_read_ms, warm_read_ms = [], [], [], [], []
     other_ms: dict[str, list[list[float]]] = {n: [] for n in others}  # per bucket: (cold, draft, warm) propose ms
     reads = target_reads(pair, kv_tier)
+    # The draft as a run's proposer reads it: through the pair's default head (the embedded draft's
+    # 8,192-row sub-head; timed with the full 49,152 rows, a drafted token cost twice what it does live).
+    head = draft_head(pair)
 
     def prefill(ids: list[int]) -> None:  # the target reads a prompt into an empty cache at the tier
         with reads():
@@ -152,7 +155,7 @@ def measure_costs(pair: ModelPair, buckets: tuple[int, ...] = CONTEXT_BUCKETS, r
     for b in buckets:
         progress(f"costs at context {b}")
         ids = torch.randint(0, pair.vocab_size, (b + 1 + K_MAX,), generator=gen).tolist()
-        proposer = DraftModelProposer(pair, ids[:b], sampler)
+        proposer = DraftModelProposer(pair, ids[:b], sampler, head=head)
         verifier = TargetVerifier(pair, ids[:b], sampler, kv_tier=kv_tier)
         verifier.prefill()
         verifier.rewind(b + 1)
@@ -163,7 +166,7 @@ def measure_costs(pair: ModelPair, buckets: tuple[int, ...] = CONTEXT_BUCKETS, r
             proposer.rewind(b, ids[b : b + 1])
 
         def warm_read() -> None:  # K_MAX tokens after the b-token cache, then back
-            draft_read(pair, ids[b + 1 :], proposer.cache)
+            draft_read(pair, ids[b + 1 :], proposer.cache, head)
             crop_to(proposer.cache, b)
 
         def verify(k: int) -> None:
@@ -173,7 +176,7 @@ def measure_costs(pair: ModelPair, buckets: tuple[int, ...] = CONTEXT_BUCKETS, r
         driven = [_Driven(pair, name, ids[:b], sampler, kv_tier) for name in others]
         # In turns, so that a slow spell of the machine cannot make one k look cheaper than another.
         timed = [(draft_one, None), *((lambda k=k: verify(k), None) for k in range(K_MAX + 1)),
-                 (lambda: prefill(ids[:b]), None), (lambda: draft_read(pair, ids[:b], None), None), (warm_read, None)]
+                 (lambda: prefill(ids[:b]), None), (lambda: draft_read(pair, ids[:b], None, head), None), (warm_read, None)]
         for d in driven:  # a fresh one's first draft, one after a verify, one after WARM_STEPS plain steps
             timed += [(d.propose, d.step), (d.propose, lambda d=d: d.step(WARM_STEPS)), (d.propose, d.fresh)]
         ms = _medians_ms(timed, reps_at(b, reps), WARMUP, sync, sparse={K_MAX + 2, K_MAX + 3})

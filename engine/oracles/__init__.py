@@ -19,13 +19,19 @@ from engine.decode.records import PROPOSER_NAMES
 Factory = Callable[[object, list[int], object, object, dict[str, str], object], object]
 
 
-def _draft(pair, prompt_ids: list[int], sampler, verifier, options: dict[str, str], history=None):
-    from engine.oracles.model import DraftModelProposer
+def draft_head(pair, options: dict[str, str] | None = None):
+    """The LM head the draft proposer reads through: the sub-head `@draft:vocab=K` names, else the
+    pair's default (the embedded draft's 8,192 most frequent tokens); None for the full head."""
     from engine.runtime.vocab_head import sub_head
 
-    k = int(options["vocab"]) if "vocab" in options else getattr(pair, "draft_vocab", 0)
-    head = sub_head(pair, k) if k and k != pair.vocab_size else None  # K = V: the full head itself
-    return DraftModelProposer(pair, prompt_ids, sampler, lambda: verifier.hit, head)
+    k = int(options["vocab"]) if options and "vocab" in options else getattr(pair, "draft_vocab", 0)
+    return sub_head(pair, k) if k and k != pair.vocab_size else None  # K = V: the full head itself
+
+
+def _draft(pair, prompt_ids: list[int], sampler, verifier, options: dict[str, str], history=None):
+    from engine.oracles.model import DraftModelProposer
+
+    return DraftModelProposer(pair, prompt_ids, sampler, lambda: verifier.hit, draft_head(pair, options))
 
 
 def _no_eagle(pair) -> str:

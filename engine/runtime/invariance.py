@@ -166,12 +166,23 @@ def rowinv_attention(module, query, key, value, attention_mask, scaling=None, **
     return out.transpose(1, 2).contiguous(), None
 
 
+def aligned(t: torch.Tensor) -> torch.Tensor:
+    """`t` contiguous at a 64-byte boundary, copied if it is not: the int8 kernel's vector loads
+    crash on a tensor that starts mid-line (a view at an offset, a safetensors file's tensor)."""
+    return t if t.is_contiguous() and t.data_ptr() % 64 == 0 else t.clone(memory_format=torch.contiguous_format)
+
+
 def _padded_linear(self: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
     rows = x.reshape(-1, x.shape[-1])  # [M, in]
     m, multiple = rows.shape[0], self.speclab_row_multiple
     if m % multiple:  # repeat the last row: the kernel sees a row count it rounds alike
         rows = torch.cat([rows, rows[-1:].expand(multiple - m % multiple, -1)])
-    return F.linear(rows, self.weight, self.bias)[:m].reshape(*x.shape[:-1], -1)
+    if (int8 := getattr(self, "speclab_int8", None)) is not None:  # a draft's int8-stored matrix (draft_model.attach_int8)
+        out = torch.ops.aten._weight_int8pack_mm(aligned(rows), *int8)  # [M, out]: rows · int8ᵀ · scale
+        out = out if self.bias is None else out + self.bias
+    else:
+        out = F.linear(rows, self.weight, self.bias)
+    return out[:m].reshape(*x.shape[:-1], -1)
 
 
 def _target_reads_agree(model) -> bool:
@@ -300,7 +311,9 @@ def make_row_invariant(model: torch.nn.Module) -> bool:
     AttentionMaskInterface.register(ROW_INVARIANT, sdpa_mask)  # masks are built, then unused
     model._speclab_attn_before = model.config._attn_implementation
     model.set_attn_implementation(ROW_INVARIANT)
-    for multiple in ROW_MULTIPLES:
+    # int8 weights (draft_model.attach_int8) go through a kernel that may need no padding at all.
+    unpadded = (1,) if all(hasattr(m, "speclab_int8") for m in linears) else ()
+    for multiple in unpadded + ROW_MULTIPLES:
         for m in linears:
             m.forward, m.speclab_row_multiple = types.MethodType(_padded_linear, m), multiple
         if _reads_agree(model):

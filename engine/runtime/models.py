@@ -274,7 +274,7 @@ def load_pair(
         if draft_tier not in FLOAT_TIERS:
             raise ValueError(f"a SpecLab draft runs at {', '.join(FLOAT_TIERS)}, not {draft_tier}")
         embedding = draftlib.target_embedding(_source_path(target), t_model)
-        d_model, d_tok = draftlib.load_draft(draft, embedding, dev, FLOAT_TIERS[draft_tier]), tokenizer
+        d_model, d_tok = draftlib.load_draft(draft, embedding, dev, FLOAT_TIERS[draft_tier], int8=True), tokenizer
     else:
         d_model = load_model(draft, draft_tier, dev, trust_remote_code)
         d_tok = tokenizer if draft == target else load_tokenizer(draft, trust_remote_code)
