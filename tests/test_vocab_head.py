@@ -188,3 +188,26 @@ def test_cost_tables_price_the_draft_through_the_head_its_runs_read(tiny_pair, m
     costs = profiling.measure_costs(pair, buckets=(8,), reps=1, proposers=("draft",))
     assert heads and all(h is head for h in heads), {type(h).__name__ for h in heads}
     assert costs.drafting("draft").ms[0] > 0
+
+
+def test_an_int8_draft_scores_its_sub_head_in_int8():
+    """A draft that reads its body in int8 (bf16 on a CPU) scores its sub-head through the same
+    kernel: its rows int8 with a scale each, the logits what the bf16 rows give to int8 rounding.
+    Asked for an fp32 head, or for a draft that does not read int8, the head stays as it was."""
+    gen = torch.Generator().manual_seed(0)
+    emb = torch.randn(300, 64, generator=gen).bfloat16()
+    head = vocab_head.build(emb, 100, 300, [2], ranking=torch.randperm(300, generator=gen), int8=True)
+    q, scale = head.int8
+    assert q.dtype == torch.int8 and q.shape == head.weight.shape and scale.shape == (100,)
+    h = torch.randn(1, 64, generator=gen)
+    want = (h.bfloat16().float() @ head.weight.float().t())  # [1, K]
+    got = head.logits(h)
+    assert got.shape == (1, 100) and got.dtype == torch.float32
+    torch.testing.assert_close(got, want, atol=0.05 * float(want.abs().max()), rtol=0.0)
+    assert vocab_head.build(emb, 100, 300, [2], int8=False).int8 is None
+    assert vocab_head.build(emb.float(), 100, 300, [2], int8=True).int8 is None  # fp32: no int8 kernel
+
+
+def test_a_draft_that_does_not_read_int8_keeps_a_plain_sub_head(tiny_pair):
+    pair = dataclasses.replace(tiny_pair)  # a fresh dict of heads
+    assert vocab_head.sub_head(pair, pair.vocab_size // 2).int8 is None

@@ -16,6 +16,9 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
+from engine.runtime.draft_model import int8_kernels, quantize_rows
+from engine.runtime.invariance import aligned
+
 RANK_FILE = Path(__file__).resolve().parents[1] / "data" / "vocab_rank.safetensors"
 
 
@@ -63,14 +66,19 @@ class SubHead:
     d2t: torch.Tensor  # [K] int64: target id = draft index + d2t
     t2d: torch.Tensor  # [V] bool: the target ids the head covers
     weight: torch.Tensor  # [K, H], contiguous: a copy, so the matmul streams K rows, not V
+    # (int8 rows [K, H], bf16 scales [K]) where the draft reads int8 (draft_model.int8_kernels):
+    # scoring one row reads every weight once, so half the bytes is most of half the time.
+    int8: tuple[torch.Tensor, torch.Tensor] | None = None
 
     @property
     def size(self) -> int:
         return len(self.ids)
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:
-        """h [1, H] (one contiguous row) → [1, K] float32. One row is a gemv, the fastest kernel
-        for it on CPU and the same one whatever read produced h (the draft's row invariance)."""
+        """h [1, H] (one contiguous row) → [1, K] float32. One row is a gemv (or the int8 kernel's
+        one-row product), the same kernel whatever read produced h (the draft's row invariance)."""
+        if self.int8 is not None:
+            return torch.ops.aten._weight_int8pack_mm(aligned(h.to(self.int8[1].dtype)), *self.int8).float()
         return torch.mv(self.weight, h[0].to(self.weight.dtype)).float()[None]
 
     def to_target(self, i: int) -> int:
@@ -81,16 +89,24 @@ class SubHead:
         return torch.zeros(vocab, dtype=p.dtype, device=p.device).index_copy_(0, self.ids, p)
 
 
-def build(head_weight: torch.Tensor, k: int, vocab: int, eos_ids, ranking: torch.Tensor | None = None) -> SubHead:
-    """The size-K sub-head of `head_weight` [≥V, H] (the draft's tied LM head)."""
+def build(head_weight: torch.Tensor, k: int, vocab: int, eos_ids, ranking: torch.Tensor | None = None,
+          int8: bool = False) -> SubHead:
+    """The size-K sub-head of `head_weight` [≥V, H] (the draft's tied LM head); int8: its rows
+    also as int8 for the int8 kernel, where that serves (a draft that reads its body in int8)."""
     ids = choose_ids(load_ranking() if ranking is None else ranking, k, vocab, eos_ids).to(head_weight.device)
     d2t, t2d = maps(ids, vocab)
-    return SubHead(ids, d2t, t2d, head_weight.detach()[ids].contiguous())
+    weight = head_weight.detach()[ids].contiguous()
+    rows = None
+    if int8 and int8_kernels(weight.device, weight.dtype) and weight.shape[1] % 16 == 0:  # the kernel's blocks
+        q, scale = quantize_rows(weight)
+        rows = (aligned(q), scale.to(weight.dtype))
+    return SubHead(ids, d2t, t2d, weight, rows)
 
 
 def sub_head(pair, k: int) -> SubHead:
     """The pair's draft sub-head of size k, built once per (pair, k) and kept on the pair."""
     heads = pair.vocab_heads
     if k not in heads:
-        heads[k] = build(pair.draft.get_output_embeddings().weight, k, pair.vocab_size, pair.eos_ids)
+        int8 = any(hasattr(m, "speclab_int8") for m in pair.draft.modules())  # its body reads int8
+        heads[k] = build(pair.draft.get_output_embeddings().weight, k, pair.vocab_size, pair.eos_ids, int8=int8)
     return heads[k]
