@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
-from engine.runtime import invariance
+from engine.runtime import int8_kernel, invariance
 
 MARKER = "speclab_draft.json"
 WEIGHTS = "draft.safetensors"
@@ -125,36 +125,23 @@ def dequantize(state: dict[str, torch.Tensor], dtype: torch.dtype) -> dict[str, 
     return out
 
 
-def int8_kernels(device: torch.device, dtype: torch.dtype) -> bool:
-    """Whether a draft at `dtype` on `device` runs its int8-stored matrices through torch's int8
-    weight-only kernel (`_weight_int8pack_mm`: bf16 rows times int8 columns, one bf16 scale per
-    output row). A draft step reads every weight once, so on a CPU it is bound by memory, and int8
-    halves what it reads (`bench draft`'s draft_cost_ratio: docs/architecture.md); the kernel
-    rounds every row alike whatever the row count (probed at load, invariance.make_row_invariant).
-    Its fp32 form was slower here than bf16's own matmul: bf16 only."""
-    return device.type == "cpu" and dtype == torch.bfloat16
-
-
-def attach_int8(draft: torch.nn.Module, state: dict[str, torch.Tensor], dtype: torch.dtype) -> int:
-    """Gives each linear whose matrix is stored int8 its int8 weight and scales
-    (`speclab_int8`, read by invariance's draft linears; `weight` stays, dequantized, for
-    whatever reads weights). Returns how many."""
-    n = 0
+def attach_int8(draft: torch.nn.Module, state: dict[str, torch.Tensor]) -> None:
+    """Gives each linear whose matrix is stored int8, where the int8 kernel serves it
+    (engine/runtime/int8_kernel.py), its int8 weight and scales (`speclab_int8`, read by
+    invariance's draft linears; `weight` stays, dequantized, for whatever reads weights)."""
     for key, scale in state.items():
         if not key.endswith(SCALE):
             continue
-        name = key[: -len(SCALE)].removesuffix(".weight")
-        module = draft.get_submodule(name)
-        if type(module) is torch.nn.Linear and module.in_features % 16 == 0:  # the kernel's blocks (others: wrong sums)
-            module.speclab_int8 = (invariance.aligned(state[key[: -len(SCALE)]]), scale.to(dtype))
-            n += 1
-    return n
+        module = draft.get_submodule(key[: -len(SCALE)].removesuffix(".weight"))
+        w = module.weight
+        if type(module) is torch.nn.Linear and int8_kernel.serves(w.device, w.dtype, module.in_features):
+            module.speclab_int8 = int8_kernel.pack(state[key[: -len(SCALE)]], scale, w.dtype)
 
 
 def load_draft(path: str | Path, embedding: torch.Tensor, device: torch.device,
                dtype: torch.dtype = torch.float32, int8: bool = False) -> torch.nn.Module:
     """The draft at `path`, sharing `embedding` ([V, H], the target's input embedding). int8:
-    keep the int8-stored matrices for the int8 kernel where it serves (`int8_kernels`)."""
+    keep the int8-stored matrices for the int8 kernel where it serves (`attach_int8`)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     path = Path(path)
@@ -175,8 +162,8 @@ def load_draft(path: str | Path, embedding: torch.Tensor, device: torch.device,
     draft.load_state_dict(state, strict=False)
     share_embeddings(draft, embedding.to(device=device, dtype=dtype))
     draft = draft.to(device).eval()
-    if int8 and int8_kernels(device, dtype):
-        attach_int8(draft, stored, dtype)
+    if int8:
+        attach_int8(draft, stored)
     return draft
 
 

@@ -35,6 +35,7 @@ from typing import Iterator
 import torch
 import torch.nn.functional as F
 
+from engine.runtime import int8_kernel
 from engine.runtime.forward import forward_logits
 from engine.runtime.kv.cache import new_cache
 
@@ -166,19 +167,13 @@ def rowinv_attention(module, query, key, value, attention_mask, scaling=None, **
     return out.transpose(1, 2).contiguous(), None
 
 
-def aligned(t: torch.Tensor) -> torch.Tensor:
-    """`t` contiguous at a 64-byte boundary, copied if it is not: the int8 kernel's vector loads
-    crash on a tensor that starts mid-line (a view at an offset, a safetensors file's tensor)."""
-    return t if t.is_contiguous() and t.data_ptr() % 64 == 0 else t.clone(memory_format=torch.contiguous_format)
-
-
 def _padded_linear(self: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
     rows = x.reshape(-1, x.shape[-1])  # [M, in]
     m, multiple = rows.shape[0], self.speclab_row_multiple
     if m % multiple:  # repeat the last row: the kernel sees a row count it rounds alike
         rows = torch.cat([rows, rows[-1:].expand(multiple - m % multiple, -1)])
     if (int8 := getattr(self, "speclab_int8", None)) is not None:  # a draft's int8-stored matrix (draft_model.attach_int8)
-        out = torch.ops.aten._weight_int8pack_mm(aligned(rows), *int8)  # [M, out]: rows · int8ᵀ · scale
+        out = int8_kernel.matmul(rows, int8)  # [M, out]
         out = out if self.bias is None else out + self.bias
     else:
         out = F.linear(rows, self.weight, self.bias)

@@ -16,8 +16,8 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
-from engine.runtime.draft_model import int8_kernels, quantize_rows
-from engine.runtime.invariance import aligned
+from engine.runtime import int8_kernel
+from engine.runtime.draft_model import quantize_rows
 
 RANK_FILE = Path(__file__).resolve().parents[1] / "data" / "vocab_rank.safetensors"
 
@@ -66,7 +66,7 @@ class SubHead:
     d2t: torch.Tensor  # [K] int64: target id = draft index + d2t
     t2d: torch.Tensor  # [V] bool: the target ids the head covers
     weight: torch.Tensor  # [K, H], contiguous: a copy, so the matmul streams K rows, not V
-    # (int8 rows [K, H], bf16 scales [K]) where the draft reads int8 (draft_model.int8_kernels):
+    # (int8 rows [K, H], bf16 scales [K]) where the draft reads int8 (engine/runtime/int8_kernel.py):
     # scoring one row reads every weight once, so half the bytes is most of half the time.
     int8: tuple[torch.Tensor, torch.Tensor] | None = None
 
@@ -78,7 +78,7 @@ class SubHead:
         """h [1, H] (one contiguous row) → [1, K] float32. One row is a gemv (or the int8 kernel's
         one-row product), the same kernel whatever read produced h (the draft's row invariance)."""
         if self.int8 is not None:
-            return torch.ops.aten._weight_int8pack_mm(aligned(h.to(self.int8[1].dtype)), *self.int8).float()
+            return int8_kernel.matmul(h.to(self.int8[1].dtype), self.int8).float()
         return torch.mv(self.weight, h[0].to(self.weight.dtype)).float()[None]
 
     def to_target(self, i: int) -> int:
@@ -97,9 +97,8 @@ def build(head_weight: torch.Tensor, k: int, vocab: int, eos_ids, ranking: torch
     d2t, t2d = maps(ids, vocab)
     weight = head_weight.detach()[ids].contiguous()
     rows = None
-    if int8 and int8_kernels(weight.device, weight.dtype) and weight.shape[1] % 16 == 0:  # the kernel's blocks
-        q, scale = quantize_rows(weight)
-        rows = (aligned(q), scale.to(weight.dtype))
+    if int8 and int8_kernel.serves(weight.device, weight.dtype, weight.shape[1]):
+        rows = int8_kernel.pack(*quantize_rows(weight), weight.dtype)
     return SubHead(ids, d2t, t2d, weight, rows)
 
 
