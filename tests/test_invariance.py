@@ -5,7 +5,7 @@ import torch
 
 from engine.oracles.model import draft_read
 from engine.runtime import invariance
-from engine.runtime.forward import crop_to, forward_logits
+from engine.runtime.forward import BODY, crop_to, forward_last_state, forward_logits
 from engine.runtime.kv.cache import new_cache
 
 
@@ -68,6 +68,7 @@ def test_a_rejected_model_is_left_as_it_was(tmp_path, monkeypatch):
     assert not invariance.make_row_invariant(model)
     assert model.config._attn_implementation == "sdpa"
     assert not any("forward" in m.__dict__ for m in model.modules() if isinstance(m, torch.nn.Linear))
+    assert getattr(model, BODY, None) is None  # nor the lean body read
     with torch.inference_mode():
         after, _ = forward_logits_of(model, ids)
     assert torch.equal(before, after)
@@ -134,3 +135,53 @@ def test_an_int8_stored_draft_reads_through_the_int8_kernel_row_invariant(tmp_pa
     for dtype, int8 in ((torch.float32, True), (torch.bfloat16, False)):
         other = draftlib.load_draft(tmp_path / "d", emb, cpu, dtype, int8=int8)
         assert not any(hasattr(m, "speclab_int8") for m in other.modules())
+
+
+def _lean_and_hf_reads(model, ids, chunks):
+    """(lean, HF) reads of `ids` after a 20-token prompt in `chunks`, each: the states and
+    full-head logits of every read's last token, and the cache's keys and values."""
+    def reads():
+        out, (state_cache, logit_cache) = [], (None, None)
+        for i, n in enumerate([20] + chunks):
+            start = 20 + sum(chunks[: i - 1]) if i else 0
+            state, state_cache = forward_last_state(model, ids[start : start + n], state_cache)
+            logits, logit_cache = forward_logits(model, ids[start : start + n], logit_cache, 1, gather=True)
+            out += [state, logits]
+        return out + [t for layer in state_cache.layers for t in (layer.keys, layer.values)]
+
+    with torch.inference_mode():
+        lean = reads()
+        body = model.__dict__.pop(BODY)  # HF's own forward, patched row-invariant
+        try:
+            hf = reads()
+        finally:
+            setattr(model, BODY, body)
+    return lean, hf
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_lean_body_reads_bit_for_bit_what_hf_reads(tmp_path, dtype):
+    """A row-invariant draft reads through the lean body (engine/runtime/lean_body.py): the same
+    operations as HF's forward without its machinery, so every state, logit and cached key is
+    HF's bit for bit, in any chunking; an int8 draft's q/k/v and gate/up read as one product."""
+    from transformers import AutoModelForCausalLM
+
+    from engine.runtime import draft_model as draftlib
+    from tiny import save_tiny_llama
+
+    target = AutoModelForCausalLM.from_pretrained(save_tiny_llama(tmp_path / "t", seed=3, layers=2, hidden=64)).eval()
+    emb = target.get_input_embeddings().weight.detach().float()
+    draftlib.save_draft(draftlib.build_draft(target, [0, 1]), tmp_path / "d", {"target_fingerprint": draftlib.fingerprint(emb)})
+    int8_draft = draftlib.load_draft(tmp_path / "d", emb, torch.device("cpu"), torch.bfloat16, int8=True)
+    models = [int8_draft, _tiny(tmp_path, dtype)]
+    ids = torch.randint(5, 80, (80,), generator=torch.Generator().manual_seed(2)).tolist()
+    for model in models:
+        if not invariance.make_row_invariant(model):
+            assert model is not int8_draft  # the int8 kernel rounds every row alike (test above)
+            continue
+        body = getattr(model, BODY)
+        stacked = model is int8_draft
+        assert all((s is not None) == stacked for s in body.qkv + body.gate_up)
+        for chunks in ([1] * 12, [12], [3, 1, 8], [60]):
+            lean, hf = _lean_and_hf_reads(model, ids, chunks)
+            assert len(lean) == len(hf) and all(torch.equal(a, b) for a, b in zip(lean, hf)), chunks

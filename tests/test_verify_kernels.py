@@ -30,6 +30,7 @@ def test_every_row_count_reads_what_torch_linear_reads(rows):
         with verify_kernels.stock_kernels():
             stock = model(x)
     assert got.shape == want.shape == (1, rows, 200)
+    assert got.is_contiguous()  # row-major, as torch's: a strided query sends SDPA to its math path
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
     assert torch.equal(stock, want)  # HF's peers in the benches read through torch's own linear
     if rows == 1 or rows > verify_kernels.MAX_ROWS:  # one-token steps and prefills are untouched
@@ -58,3 +59,40 @@ def test_a_weight_changed_in_place_is_read_anew_and_the_model_still_copies():
 
 def test_only_fp32_cpu_models_are_patched():
     assert verify_kernels.make_verify_fast(_model().to(torch.bfloat16)) == 0
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_batched_verify_reads_grouped_kv_heads_bit_for_bit_as_hf(tmp_path, monkeypatch, dtype):
+    """A verify of k + 1 rows over a cache runs SDPA on the KV heads as stored (no copy per query
+    head, `invariance._grouped_verify`): the logits are HF's path's bit for bit; HF's peers
+    (stock kernels), prefills and one-token steps keep HF's path."""
+    from transformers import AutoModelForCausalLM
+
+    from engine.runtime import invariance
+    from engine.runtime.forward import crop_to, forward_logits
+    from tiny import save_tiny_llama
+
+    path = save_tiny_llama(tmp_path / "m", seed=5, layers=2, hidden=64)  # 4 query heads over 2 KV heads
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation=invariance.register()).eval()
+    verify_kernels.make_verify_fast(model)
+    calls = []
+    grouped = invariance._grouped_verify
+    monkeypatch.setattr(invariance, "_grouped_verify", lambda *a: calls.append(a[1].shape[2]) or grouped(*a))
+    ids = torch.randint(5, 80, (40,), generator=torch.Generator().manual_seed(3)).tolist()
+    with torch.inference_mode():
+        _, cache = forward_logits(model, ids[:30], None, 1)  # the prefill: HF's causal path
+        assert calls == []
+        for k in (1, 4, 8):
+            mine, _ = forward_logits(model, ids[30 : 31 + k], cache, k + 1)
+            crop_to(cache, 30)
+            with monkeypatch.context() as m:
+                m.setattr(invariance, "_grouped_verify_serves", lambda mask, kwargs: False)
+                hf, _ = forward_logits(model, ids[30 : 31 + k], cache, k + 1)
+            crop_to(cache, 30)
+            assert torch.equal(mine, hf), k
+        assert calls == [2, 2, 5, 5, 9, 9]  # each layer, each verify
+        with verify_kernels.stock_kernels():
+            forward_logits(model, ids[30:35], cache, 5)
+        crop_to(cache, 30)
+        forward_logits(model, ids[30:31], cache, 1)
+    assert calls == [2, 2, 5, 5, 9, 9]

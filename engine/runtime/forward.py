@@ -8,6 +8,8 @@ import torch
 
 from engine.runtime.kv.cache import new_cache
 
+BODY = "speclab_body"  # a model's lean body read, where it has one (engine/runtime/lean_body.py)
+
 
 def forward_logits(model: torch.nn.Module, ids: list[int], cache, keep: int, vocab: int | None = None,
                    gather: bool = False) -> tuple[torch.Tensor, object]:
@@ -19,9 +21,11 @@ def forward_logits(model: torch.nn.Module, ids: list[int], cache, keep: int, voc
     read's length: for a 1-row view a kernel that rounds differently, for several rows a bmm
     path that first copies the whole transposed head (49152 × 576 on SmolLM2). A gathered block
     takes one path whatever the read's length, which the draft's row invariance needs."""
-    x = torch.tensor([ids], device=model.device)  # [B=1, S]
     if cache is None:
         cache = new_cache(model)
+    if gather and keep == 1 and (body := getattr(model, BODY, None)) is not None:  # a lean draft (lean_body.py)
+        return model.get_output_embeddings()(body(ids, cache)[None])[0, :, :vocab].float(), cache
+    x = torch.tensor([ids], device=model.device)  # [B=1, S]
     rows = torch.arange(len(ids) - keep, len(ids), device=model.device) if gather else keep
     out = model(input_ids=x, cache=cache, use_cache=True, logits_to_keep=rows)
     return out.logits[0, :, :vocab].float(), out.cache  # [keep, V]
@@ -31,9 +35,11 @@ def forward_last_state(model: torch.nn.Module, ids: list[int], cache) -> tuple[t
     """Reads `ids` after `cache` through the model's body only (no LM head): the final-norm state
     of the last id, copied into a contiguous [1, H] block (as forward_logits' gather), and the
     cache. For a reduced-vocabulary head, which must not pay for the full head first."""
-    x = torch.tensor([ids], device=model.device)  # [1, S]
     if cache is None:
         cache = new_cache(model)
+    if (body := getattr(model, BODY, None)) is not None:  # a lean draft (lean_body.py)
+        return body(ids, cache), cache
+    x = torch.tensor([ids], device=model.device)  # [1, S]
     out = model.get_decoder()(input_ids=x, cache=cache, use_cache=True)
     return out.last_hidden_state[0, -1:].contiguous(), out.cache  # [1, H]
 

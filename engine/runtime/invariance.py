@@ -17,7 +17,8 @@ took (the policy), or a live run would not replay its trace. Rather than read ro
 forward per token), `make_row_invariant` gives it a forward whose rows never depend on the batch:
 linears see row counts padded to a multiple of 2 or 4 (the kernels round every row alike then),
 and attention runs in float64. A load-time probe reads the same tokens in several chunkings and
-keeps the change only if every chunking agrees bit for bit.
+keeps the change only if every chunking agrees bit for bit. Its reads then skip HF's module machinery
+(lean_body.py: the same operations, bit for bit).
 
 A lossy KV tier (engine/runtime/kv/tiers.py) gives the target that duty too: a one-ULP change in a key
 can move it across a quantization step, a change the tier then magnifies (at fp32, where verify
@@ -35,7 +36,7 @@ from typing import Iterator
 import torch
 import torch.nn.functional as F
 
-from engine.runtime import int8_kernel
+from engine.runtime import int8_kernel, lean_body
 from engine.runtime.forward import forward_logits
 from engine.runtime.kv.cache import new_cache
 
@@ -71,6 +72,8 @@ def rowwise_sdpa(module, query, key, value, attention_mask, **kwargs):
     if _ROW_INVARIANT_READS.get():  # a target made row-invariant for a lossy KV tier
         return rowinv_attention(module, query, key, value, attention_mask, **kwargs)
     q_len, kv_len = query.shape[2], key.shape[2]
+    if 1 < q_len < kv_len and not _VERIFYING.get() and _grouped_verify_serves(attention_mask, kwargs):
+        return _grouped_verify(module, query, key, value, attention_mask, kwargs.get("scaling"))
     if not _VERIFYING.get() or q_len == 1 or kv_len == q_len:
         return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
     past = kv_len - q_len
@@ -84,6 +87,26 @@ def rowwise_sdpa(module, query, key, value, attention_mask, **kwargs):
         )
         rows.append(out)
     return torch.cat(rows, dim=1), None
+
+
+def _grouped_verify_serves(mask: torch.Tensor | None, kwargs: dict) -> bool:
+    """Whether a batched verify's attention may read the KV heads as they are (`_grouped_verify`):
+    a boolean mask or none, no softcap or position bias, not one of HF's peers (stock kernels)."""
+    from engine.runtime.verify_kernels import stock
+
+    plain = all(kwargs.get(k) is None for k in ("softcap", "position_bias", "s_aux", "sinks"))
+    return plain and (mask is None or mask.dtype == torch.bool) and not stock()
+
+
+def _grouped_verify(module, query, key, value, mask, scaling) -> tuple[torch.Tensor, None]:
+    """A batched verify's attention, k + 1 queries over the cache. HF's SDPA path copies every
+    KV head once per query head it serves (repeat_kv) whenever a mask is given, which a verify
+    always has: at 3,000 tokens of context that copy was ~8 ms of a 5-row fp32 verify. SDPA
+    reads grouped heads itself (`enable_gqa`), the same kernel on the same values.
+    query [1, H, q, D], key/value [1, Hkv, past + q, D] → [1, q, H, D]."""
+    out = F.scaled_dot_product_attention(query.contiguous(), key, value, attn_mask=mask, scale=scaling,
+                                         enable_gqa=query.shape[1] != key.shape[1])
+    return out.transpose(1, 2).contiguous(), None
 
 
 def register() -> str:
@@ -160,8 +183,9 @@ def rowinv_attention(module, query, key, value, attention_mask, scaling=None, **
     q = query.double().reshape(b, h // groups, groups * q_len, d)  # query head j·groups + r reads kv head j
     scores = (q @ key.double().transpose(-1, -2)).reshape(b, h, q_len, kv_len)
     scores = scores * (scaling if scaling is not None else d**-0.5)
-    rows = torch.arange(q_len, device=query.device)[:, None] + (kv_len - q_len)
-    scores = scores.masked_fill(torch.arange(kv_len, device=query.device)[None, :] > rows, float("-inf"))
+    if q_len > 1:  # one query (a drafted token) sees every key: nothing to mask
+        rows = torch.arange(q_len, device=query.device)[:, None] + (kv_len - q_len)
+        scores = scores.masked_fill(torch.arange(kv_len, device=query.device)[None, :] > rows, float("-inf"))
     probs = torch.softmax(scores, dim=-1).reshape(b, h // groups, groups * q_len, kv_len)
     out = (probs @ value.double()).reshape(b, h, q_len, d).to(query.dtype)
     return out.transpose(1, 2).contiguous(), None
@@ -311,6 +335,7 @@ def make_row_invariant(model: torch.nn.Module) -> bool:
     for multiple in unpadded + ROW_MULTIPLES:
         for m in linears:
             m.forward, m.speclab_row_multiple = types.MethodType(_padded_linear, m), multiple
+        lean_body.install(model, _padded_linear, rowinv_attention)  # what the draft's reads run: probed too
         if _reads_agree(model):
             return True
     undo_row_invariant(model)
@@ -320,6 +345,7 @@ def make_row_invariant(model: torch.nn.Module) -> bool:
 def undo_row_invariant(model: torch.nn.Module) -> None:
     """HF's own forward again (the load-time probe's way back; benchmarks compare the two)."""
     model.set_attn_implementation(model.__dict__.pop("_speclab_attn_before"))
+    lean_body.remove(model)
     for m in model.modules():
         if getattr(m.__dict__.get("forward"), "__func__", None) is _padded_linear:
             del m.forward, m.speclab_row_multiple
