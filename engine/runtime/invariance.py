@@ -36,7 +36,7 @@ from typing import Iterator
 import torch
 import torch.nn.functional as F
 
-from engine.runtime import int8_kernel, lean_body
+from engine.runtime import int8_kernel, lean_body, verify_kernels
 from engine.runtime.forward import forward_logits
 from engine.runtime.kv.cache import new_cache
 
@@ -92,10 +92,8 @@ def rowwise_sdpa(module, query, key, value, attention_mask, **kwargs):
 def _grouped_verify_serves(mask: torch.Tensor | None, kwargs: dict) -> bool:
     """Whether a batched verify's attention may read the KV heads as they are (`_grouped_verify`):
     a boolean mask or none, no softcap or position bias, not one of HF's peers (stock kernels)."""
-    from engine.runtime.verify_kernels import stock
-
     plain = all(kwargs.get(k) is None for k in ("softcap", "position_bias", "s_aux", "sinks"))
-    return plain and (mask is None or mask.dtype == torch.bool) and not stock()
+    return plain and (mask is None or mask.dtype == torch.bool) and not verify_kernels.stock()
 
 
 def _grouped_verify(module, query, key, value, mask, scaling) -> tuple[torch.Tensor, None]:
@@ -332,10 +330,12 @@ def make_row_invariant(model: torch.nn.Module) -> bool:
     model.set_attn_implementation(ROW_INVARIANT)
     # int8 weights (draft_model.attach_int8) go through a kernel that may need no padding at all.
     unpadded = (1,) if all(hasattr(m, "speclab_int8") for m in linears) else ()
+    # What the draft's reads run, probed too; built once (its stacked int8 products are copies):
+    # the linears it calls read their row multiple as the loop sets it.
+    lean_body.install(model, _padded_linear, rowinv_attention)
     for multiple in unpadded + ROW_MULTIPLES:
         for m in linears:
             m.forward, m.speclab_row_multiple = types.MethodType(_padded_linear, m), multiple
-        lean_body.install(model, _padded_linear, rowinv_attention)  # what the draft's reads run: probed too
         if _reads_agree(model):
             return True
     undo_row_invariant(model)
