@@ -21,6 +21,7 @@ import json
 import sys
 import tempfile
 import time
+from collections import defaultdict
 from pathlib import Path
 
 import numpy as np
@@ -31,6 +32,9 @@ VERIFY = ("auto", "exact", "fast")  # engine.service.options.VERIFY_MODES (impor
 
 PAPER_DECISION_MS = 0.336
 CALIBRATION_POLICIES = ("ar", "fixed:1", "fixed:2", "fixed:4")
+# Each other proposer's `fixed:4@p` on this many training prompts a task: enough steps of its own
+# for its own cost factor (engine/decode/costs.calibrate), which the draft's steps do not tell.
+OTHER_CALIBRATION_PROMPTS = 1
 SPECKV_CSV = DATA_DIR / "speckv-phase2" / "phase2_step_results.csv"
 
 
@@ -106,19 +110,22 @@ def live(a: argparse.Namespace) -> dict:
                                   exact_verify=exact, eagle=getattr(a, "eagle", None))
     policies: list[str] = []
     with Store(db) as st:
-        factors = {}
+        factors, own_factors = {}, {}
         for tier in tiers:  # per tier, on the training prompts: costs, traces, calibration runs
             pair = load(tier)
             policies = policies or live_policies(pair, a.ks, getattr(a, "proposers", None))
             cost_table(st, pair)
             trace_prompts(st, pair, train_prompts, a.max_new_tokens)
-            for task, prompt in train_prompts:
-                for pol in CALIBRATION_POLICIES:  # live steps the costs are calibrated with (not judged)
+            others = calibration_others(policies, train_prompts)
+            for task, prompt in train_prompts:  # live steps the costs are calibrated with (not judged)
+                for pol in CALIBRATION_POLICIES + others.get((task, prompt), ()):
                     generate(pair, Request(prompt, pol, task=task, max_new_tokens=a.max_new_tokens,
                                            sweep=f"{sweep}-calibration"), st, context=None)
-            factors[tier] = calibrate_costs(st, cost_key(pair)).step_factor
+            cal = calibrate_costs(st, cost_key(pair))
+            factors[tier], own_factors[tier] = cal.step_factor, cal.proposer_factor
+            own = "".join(f"; {p}'s own at k=4 {f[4]:.2f}" for p, f in cal.proposer_factor.items())
             print(f"{tier}: {len(train_prompts)} traces for the controller; live / measured step time k=0..8: "
-                  + " ".join(f"{f:.2f}" for f in factors[tier]), file=sys.stderr)
+                  + " ".join(f"{f:.2f}" for f in factors[tier]) + own, file=sys.stderr)
             del pair
         report = retrain(st, "traces", "prompt")
         print(f"speckv v{report.version}: test corr {report.test_corr:.3f}, replay gain vs fixed:4 "
@@ -152,7 +159,8 @@ def live(a: argparse.Namespace) -> dict:
             if who not in by or v > fixed[by[who]]:
                 by[who] = p
         t["best_fixed_by_proposer"] = by
-    return dict(db=db, sweep=sweep, controller=report.to_dict(), step_factor=factors, tiers=table, where=where,
+    return dict(db=db, sweep=sweep, controller=report.to_dict(), step_factor=factors, proposer_factor=own_factors,
+                tiers=table, where=where,
                 policies=policies, verify=getattr(a, "verify", "auto"))
 
 
@@ -202,6 +210,19 @@ def format_where(where: dict) -> str:
             lines.append(f"  {kind:24} {r['steps']:6d} steps {r['tokens']:6d} tokens {r['ms'] / 1e3:8.1f} s   "
                          f"excess {r['excess_ms'] / 1e3:+7.1f} s ({r['excess_ms'] / w['total_ms']:+.1%})")
     return "\n".join(lines)
+
+
+def calibration_others(policies: list[str], prompts: list[tuple[str, str]]) -> dict[tuple[str, str], tuple[str, ...]]:
+    """(task, prompt) → the `fixed:4@p` calibration runs of the proposers other than the draft
+    model among `policies`, on the first OTHER_CALIBRATION_PROMPTS prompts of each task."""
+    others = tuple(dict.fromkeys(f"fixed:4@{p.partition('@')[2]}" for p in policies
+                                 if p.startswith("fixed:") and p.partition("@")[2] not in ("", "draft")))
+    seen: dict[str, int] = defaultdict(int)
+    out = {}
+    for task, prompt in prompts:
+        if seen[task] < OTHER_CALIBRATION_PROMPTS:
+            out[(task, prompt)], seen[task] = others, seen[task] + 1
+    return out
 
 
 def live_policies(pair, ks: str, proposers: str | None) -> list[str]:

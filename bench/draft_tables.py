@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import statistics
 
-from engine.base.stats import geomean, ratio_ci95
+from engine.base.stats import geomean, prompts_for, ratio_ci95
 from engine.lab.divergence import first_difference
 from engine.runtime.models import EXACT_VERIFY_TIERS, ModelPair
 
@@ -74,6 +74,7 @@ def setting_table(where: str, tier: str, mode: str, pair: ModelPair, policies: l
     firsts = {p: [first_difference(hf_ref[i]["output"], runs[p][i]["output"]) for i in every] for p in policies}
     worst_task = min(by_task, key=lambda t: by_task[t][best] / by_task[t]["ar"])
     peer_runs = runs["ar"] if ar >= fixed[best_fixed] else runs[best_fixed]
+    adaptive_ci = {p: ci95(runs[p], peer_runs, every) for p in policies if p.startswith(("rakv", "speckv"))}
     return dict(
         tier=tier, verify=mode if mode != "auto" else ("exact" if pair.exact_verify else "batched"),
         exact_verify=pair.exact_verify, tok_s=tok_s, vs_ar={p: v / ar for p, v in tok_s.items()},
@@ -81,7 +82,9 @@ def setting_table(where: str, tier: str, mode: str, pair: ModelPair, policies: l
         worst_task=worst_task, worst_task_vs_ar=by_task[worst_task][best] / by_task[worst_task]["ar"],
         best_fixed=best_fixed, peer=peer, best_fixed_by_proposer=_best_fixed_by_proposer(fixed),
         adaptive_vs_peer={p: tok_s[p] / peer for p in policies if p.startswith(("rakv", "speckv"))},
-        adaptive_vs_peer_ci95={p: ci95(runs[p], peer_runs, every) for p in policies if p.startswith(("rakv", "speckv"))},
+        adaptive_vs_peer_ci95=adaptive_ci,
+        # what the ±3% the issue asks of that interval would take: its width shrinks as 1/√prompts
+        adaptive_prompts_for_3pct={p: prompts_for(c, tok_s[p] / peer, n) for p, c in adaptive_ci.items()},
         vs_ar_ci95={p: ci95(r, runs["ar"], every) for p, r in runs.items()},
         vs_ar_geomean_tasks={p: geomean(by_task[t][p] / by_task[t]["ar"] for t in by_task) for p in policies},
         per_prompt={p: _per_prompt(r, every) for p, r in runs.items()},
@@ -178,8 +181,8 @@ def headline(res: dict) -> dict:
     out["draft_cost_ratio"] = res.get("draft_cost_ratio")
     out["ci95"] = {t: dict(best_vs_ar=v["best_vs_ar_ci95"], best_vs_hf_assisted=v.get("best_vs_hf_assisted_ci95"),
                            best_vs_hf_lookup=v.get("best_vs_hf_lookup_ci95"),
-                           adaptive_vs_peer={p: c for st in settings.values() if st["tier"] == t
-                                             for p, c in st["adaptive_vs_peer_ci95"].items()})
+                           adaptive_vs_peer=_per_setting(settings, t, "adaptive_vs_peer_ci95"),
+                           adaptive_prompts_for_3pct=_per_setting(settings, t, "adaptive_prompts_for_3pct"))
                    for t, v in tiers.items()}
     out["best_bf16_verify"] = tiers[bf]["best_verify"] if bf else None
     out["best_vs_ar_by_tier"] = {t: v["best_vs_ar"] for t, v in tiers.items()}
@@ -210,6 +213,19 @@ def _divergence(s: dict) -> dict:
 
 
 # -- output -------------------------------------------------------------------------------------------
+def _per_setting(settings: dict, tier: str, key: str) -> dict:
+    """policy → settings[…][key][policy] over the tier's settings; a tier timed in two verify
+    modes (bf16: exact, fast) names each: `rakv (bf16/fast)`."""
+    mine = {w: st for w, st in settings.items() if st["tier"] == tier}
+    return {p if len(mine) == 1 else f"{p} ({w})": v for w, st in mine.items() for p, v in st[key].items()}
+
+
+def _needs(st: dict, policy: str) -> str:
+    """How many prompts the interval of `policy` against its peer would need to be within ±3%."""
+    n = st["adaptive_prompts_for_3pct"].get(policy)
+    return f" (±3% needs ~{n} prompts)" if n else ""
+
+
 def _ci(c) -> str:
     return f"[{c[0]:.3f}, {c[1]:.3f}]" if c else ""
 
@@ -248,7 +264,7 @@ def format_report(res: dict) -> str:
                 rel = f"  {v / hfa:.3f}× HF assisted" if hfa else ""
                 peer = f"  {st['adaptive_vs_peer'][pol]:.3f}× max(ar, best fixed)" if pol in st["adaptive_vs_peer"] else ""
                 lines.append(f"    {pol:18} {v:7.2f} tok/s  {st['vs_ar'][pol]:.3f}× ar {_ci(st['vs_ar_ci95'][pol])}"
-                             f"{rel}{peer} {_ci(st['adaptive_vs_peer_ci95'].get(pol))}  identical "
+                             f"{rel}{peer} {_ci(st['adaptive_vs_peer_ci95'].get(pol))}{_needs(st, pol)}  identical "
                              f"{st['identical_to_hf_generate'][pol]:.0%}")
         lines.append(f"  best: {t['best_policy']} at {t['best_setting']} {t['best_tok_s']:.2f} tok/s = {t['best_vs_ar']:.3f}× ar "
                      f"{_ci(t['best_vs_ar_ci95'])} (geo-mean over tasks {t['best_vs_ar_geomean_tasks']:.3f}), "

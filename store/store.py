@@ -365,6 +365,20 @@ class Store:
                                         proposer]).fetchone()
         return int(hits), int(n)
 
+    def traced_first_token_acceptance(self, device: str, target: str, draft: str, target_tier: str,
+                                      kv_tier: str | None = None, proposer: str = "draft") -> tuple[int, int]:
+        """(positions whose first proposed token the target kept, positions) over the stored
+        traces of one pair on one device, tier and KV tier (None: any), for one proposer, where
+        it had something to propose (a lookup without a match proposes nothing): what a drafting
+        step there would have kept, at every position rather than at those a policy chose."""
+        sql = ("SELECT count(*) FILTER (WHERE p.accept_len > 0), count(*) FROM trace_positions p"
+               " JOIN traces t ON t.trace_id = p.trace_id WHERE t.device = ? AND t.target = ? AND t.draft = ?"
+               " AND t.target_tier = ? AND (CAST(? AS VARCHAR) IS NULL OR coalesce(t.kv_tier, 'native') = ?)"
+               " AND p.proposer = ? AND (p.lookahead IS NULL OR p.lookahead > 0)")
+        with self._reader() as con:
+            hits, n = con.execute(sql, [device, target, draft, target_tier, kv_tier, kv_tier, proposer]).fetchone()
+        return int(hits), int(n)
+
     def controller(self, name: str,
                    version: int | None = None) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
         """(params, meta) of one version; None means the active one, else the latest."""

@@ -107,6 +107,11 @@ def test_draft_bench_reports_what_the_issue_asks(tiny_dirs, eagle_tiny, monkeypa
         for lo, hi in [ci["best_vs_ar"], ci["best_vs_hf_assisted"], ci["best_vs_hf_lookup"], *ci["adaptive_vs_peer"].values()]:
             assert 0 < lo <= hi, tier
     assert set(res["ci95"]["fp32"]["adaptive_vs_peer"]) == {"rakv"}
+    # bf16 is timed in both verify modes: each one's interval, named (one must not hide the other)
+    assert set(res["ci95"]["bf16"]["adaptive_vs_peer"]) == {"rakv (bf16/exact)", "rakv (bf16/fast)"}
+    for tier, ci in res["ci95"].items():  # what ±3% would take: never fewer prompts than were timed
+        assert set(ci["adaptive_prompts_for_3pct"]) == set(ci["adaptive_vs_peer"])
+        assert all(n >= res["timed_prompts"] for n in ci["adaptive_prompts_for_3pct"].values()), tier
     assert set(res["rakv_vs_ar_fp32_by_task"]) == {"code", "math", "chat", "summarization"}
     assert "headline" in bench_draft.format_report(res)
 
@@ -133,6 +138,13 @@ def test_catchup_bench_times_every_way_on_the_same_reads(tiny_pair):
     assert tiny_pair.draft.config._attn_implementation == invariance.ROW_INVARIANT  # the pair's own draft untouched
 
 
+def st_runs(db, sweep: str):
+    from store import Store
+
+    with Store(str(db), read_only=True) as st:
+        return st.runs(sweep=sweep)
+
+
 def test_controllers_bench_live_reports_every_policy_per_tier(tiny_dirs, tmp_path):
     import argparse
 
@@ -156,6 +168,11 @@ def test_controllers_bench_live_reports_every_policy_per_tier(tiny_dirs, tmp_pat
     assert set(t["best_fixed_by_proposer"]) == {"draft", "ngram", "suffix"}
     assert res["controller"]["whatif_kind"] == "exact replay"
     assert len(res["step_factor"]["fp32"]) == 9  # costs calibrated on the training prompts' live steps
+    # … and each other proposer on its own fixed:4 runs, one training prompt a task
+    calibration = st_runs(tmp_path / "c.duckdb", f"{res['sweep']}-calibration")
+    assert set(calibration.policy) == {*controllers.CALIBRATION_POLICIES, "fixed:4@ngram", "fixed:4@suffix"}
+    assert (calibration.policy == "fixed:4@ngram").sum() == 4 * controllers.OTHER_CALIBRATION_PROMPTS
+    assert set(res["proposer_factor"]["fp32"]) <= {"ngram", "suffix"}
     # Where rakv's time goes: the kinds of steps add up to its whole time and to its whole loss.
     w = res["where"][f"rakv vs {t['peer_policy']}"]["fp32"]
     assert set(w["rows"]) == set(controllers.STEP_KINDS) | {"decisions", "prefill and the rest"}

@@ -249,6 +249,7 @@ def test_sweep_table_counts_each_prompt_once_at_its_median_wall_time():
     lo, hi = t["vs_peer_ci95"]["rakv"]
     assert lo == pytest.approx(905 / 950) and hi == pytest.approx(455 / 385)
     assert lo < t["vs_peer"]["rakv"] < hi
+    assert t["vs_peer_prompts_for_3pct"]["rakv"] > 2  # two prompts this far apart are nowhere near ±3%
 
 
 def test_ratio_interval_narrows_with_prompts_and_pairs_them():
@@ -266,6 +267,12 @@ def test_ratio_interval_narrows_with_prompts_and_pairs_them():
     lo64, hi64 = interval(64)
     assert lo64 < 1.2 < hi64 and hi64 - lo64 < hi8 - lo8 and hi64 - lo64 < 0.04
     assert speed_ratio(np.array([10.0]), np.array([1.0]), np.array([10.0]), np.array([2.0])) == 2.0
+    # The prompts ±3% would take, from the interval over 8 (width ∝ 1/√n): near what 64 gave.
+    from engine.base.stats import prompts_for
+
+    assert prompts_for((1.14, 1.26), 1.2, 8) == 23  # ±5%: 8 × (5 / 3)² = 22.2
+    assert prompts_for((1.17, 1.32), 1.2, 8) == 89  # its wider side counts: +10% → 8 × (10 / 3)² = 88.9
+    assert prompts_for((1.19, 1.21), 1.2, 8) == 8  # already within ±3%: what it has
     assert geomean([2.0, 0.5]) == pytest.approx(1.0)
 
 

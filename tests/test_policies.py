@@ -1,6 +1,9 @@
+from dataclasses import replace
+
 import pytest
 
 from engine.decode.policies import K_MAX, NEEDS_CONTEXT, POLICY_EXAMPLES, PolicyContext, make_policy
+from engine.decode.policies.rakv import ALPHA0, PRIOR_TRIALS
 from engine.decode.records import DecodeState, DraftToken, StepRecord
 from tiny import synthetic_context
 
@@ -181,7 +184,32 @@ def test_speckv_counts_the_predicted_rate_of_each_draft_length():
     # (1 + 0.5·k) / (10 + 1.5·k) grows with k: draft the most. (Reading the rate as a per-token α
     # would count 1 + 0.5 + … + 0.5^8 ≈ 2 tokens at k = 8 and stop at k = 2.)
     assert pol.choose(_state()).k == 8
-    assert pol.last_expected == pytest.approx(1 + 8 * rate)
+    # Averaged with the rate rakv's prior acceptance (no draft measured yet) gives at k = 8.
+    assert pol.last_expected == pytest.approx(1 + 8 * (rate + _measured_rate(ALPHA0, 8)) / 2)
+
+
+def _measured_rate(alpha: float, k: int) -> float:
+    """accepted / k of a k-token draft at per-token acceptance α (truncated geometric)."""
+    from engine.decode.acceptance import expected_tokens
+
+    return float((expected_tokens(alpha, k) - 1) / k)
+
+
+def test_speckv_weighs_the_drafts_measured_acceptance_beside_its_predictor():
+    """An MLP fitted elsewhere that under-rates the draft on this text must not hold it back
+    when the run measures it accepted: its rate is averaged with the measured one."""
+    import numpy as np
+
+    from engine.decode.acceptance import Predictor
+    from engine.decode.policies.speckv import SpeckvPolicy
+
+    gloomy = Predictor("mlp", {"w0": np.zeros((6, 1)), "b0": np.array([0.05])}, meta={"signal_defaults": [0.5, 0.9, 0.5, 0.9]})
+    pol = SpeckvPolicy(gloomy, _costs())  # a k-step costs 10 + 1.5·k ms
+    assert pol.choose(_state()).k == 2  # at the prior (0.6) beside the MLP's 0.05
+    accepted = replace(_state(), alpha_ewma=0.95, alpha_trials=5.0)  # this run's drafts mostly stood
+    assert pol.choose(accepted).k == 4
+    blended = (0.95 * 5.0 + ALPHA0 * PRIOR_TRIALS) / (5.0 + PRIOR_TRIALS)
+    assert pol.last_expected == pytest.approx(1 + 4 * (0.05 + _measured_rate(blended, 4)) / 2)
 
 
 def test_speckv_scales_its_predictor_by_what_this_generation_accepted():
@@ -189,21 +217,27 @@ def test_speckv_scales_its_predictor_by_what_this_generation_accepted():
 
     from engine.decode.acceptance import Predictor
     from engine.decode.policies.speckv import FEEDBACK_PRIOR, SpeckvPolicy
+    from engine.decode.records import AcceptanceEWMA
 
     rate = 0.5
     flat = Predictor("mlp", {"w0": np.zeros((6, 1)), "b0": np.array([rate])}, meta={"signal_defaults": [0.5, 0.9, 0.5, 0.9]})
     pol = SpeckvPolicy(flat, _costs())  # a k-step costs 10 + 1.5·k ms
     assert pol.choose(_state()).k == 8
-    pol.observe(_rec(8, 8, 0))  # 4 tokens predicted, none accepted: the rate is scaled by 4 / 8
-    assert pol.choose(_state()).k == 8
-    assert pol.last_expected == pytest.approx(1 + 8 * rate * FEEDBACK_PRIOR / (FEEDBACK_PRIOR + 8 * rate))
+    pol.observe(_rec(8, 8, 0))  # 4 tokens predicted, none accepted: the MLP's rate is scaled by 4 / 8
+    k = pol.choose(_state()).k
+    scaled = rate * FEEDBACK_PRIOR / (FEEDBACK_PRIOR + 8 * rate)
+    assert pol.last_expected == pytest.approx(1 + k * (scaled + _measured_rate(ALPHA0, k)) / 2) and k < 8
     pol.observe(_rec(8, 8, 0))
-    pol.observe(_rec(8, 8, 0))  # 12 predicted, 0 accepted: rate 0.125, (1 + k/8) / (10 + 1.5·k) peaks at k = 0
-    assert pol.choose(_state()).k == 0
+    pol.observe(_rec(8, 8, 0))  # 12 predicted, 0 accepted: the MLP's rate 0.125
+    ewma = AcceptanceEWMA()
+    for _ in range(3):
+        ewma.update(0, 8)
+    failed = replace(_state(), alpha_ewma=ewma.alpha, alpha_trials=ewma.trials)  # … and the run measured as much
+    assert pol.choose(failed).k < k
     streak = _state([_rec(0, 0, 0)] * 8)
     assert pol.choose(streak).k == 1  # a probe: no prediction behind it, so its outcome is not counted
     pol.observe(_rec(1, 1, 1))
-    assert pol.choose(_state()).k == 0
+    assert pol._feedback == [0.0, 3 * 8 * rate]  # the three drafts it chose, not the probe
     pol.reset()  # a new generation starts from the predictor alone
     assert pol.choose(_state()).k == 8
 
@@ -569,6 +603,11 @@ def test_a_proposer_that_keeps_losing_is_retired_with_a_why(spec):
     lost = [costs.step_ms(r.k_drafted, r.context_len, "draft") - r.emitted * costs.step_ms(0, r.context_len)
             for r in drafted]
     bound = RETIRE_STEPS * costs.step_ms(0, 10)
+    if spec.startswith("speckv"):
+        # speckv weighs the draft's measured acceptance beside its MLP: it stops drafting on its own
+        # (one-token probes, each wait doubled), its loss within the bound before the ledger must act.
+        assert sum(lost) <= bound and all(r.k_drafted == 1 for r in drafted) and pol.why.startswith("plain")
+        return
     crossed = next(i for i in range(len(lost)) if i + 1 >= MIN_DRAFTS and sum(lost[: i + 1]) > bound)
     assert crossed == len(drafted) - 1  # the draft that crossed the bound was the last one
     assert "draft retired: its drafts lost" in pol.why

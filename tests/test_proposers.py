@@ -197,6 +197,31 @@ def test_calibration_reads_the_proposer_of_each_step():
     assert calibrate(t, [(k, c, ms) for k, c, ms, _ in live[:12]]).step_factor[2] == pytest.approx(2.0)  # 3-tuples: draft
 
 
+def test_a_proposer_whose_steps_run_slower_is_priced_by_its_own_steps():
+    from store import Store
+
+    t = CostTable([64], [1.0], [[10.0 + k for k in range(K_MAX + 1)]],
+                  proposer_costs={"ngram": DraftCost([0.0]), "eagle": DraftCost([0.5])})
+    # The draft's steps take twice the table; the n-gram's 2.4× at k = 2, 3× at k = 4 (1.5× the
+    # draft's factor, in the median over its steps); the EAGLE head's too few to say.
+    live = [(k, 64, 2 * t.step_ms(k, 64), "draft") for k in (0, 2, 4) for _ in range(12)]
+    live += [(2, 64, 1.2 * 2 * t.step_ms(2, 64, "ngram"), "ngram")] * 6 + [(4, 64, 1.5 * 2 * t.step_ms(4, 64, "ngram"), "ngram")] * 7
+    live += [(3, 64, 9 * t.step_ms(3, 64, "eagle"), "eagle")] * 11
+    cal = calibrate(t, live)
+    assert cal.step_factor == pytest.approx([2.0] * 9)  # the median per k, whoever drafted (k = 3: too few, k = 2 stands)
+    assert set(cal.proposer_factor) == {"ngram"} and cal.proposer_factor["ngram"] == pytest.approx([3.0] * 9)
+    assert cal.step_ms(4, 64, "ngram") == pytest.approx(3.0 * t.step_ms(4, 64, "ngram"))
+    assert cal.step_ms(4, 64) == pytest.approx(2.0 * t.step_ms(4, 64)) and cal.step_ms(0, 64, "ngram") == cal.step_ms(0, 64)
+    assert cal.step_ms(4, 64, "eagle") == pytest.approx(2.0 * t.step_ms(4, 64, "eagle"))  # the pooled factor
+    # Replay charges the proposer its drafting and its own surplus on the verify: the two add up.
+    assert cal.draft_part(4, 64, "ngram") + cal.verify_part(4, 64) == pytest.approx(cal.step_ms(4, 64, "ngram"))
+    with Store(":memory:") as st:  # stored in the proposer's own rows
+        st.add_costs(cal.to_rows(3))
+        back = CostTable.from_rows(st.costs().to_dict("records"))
+    assert back.proposer_factor == cal.proposer_factor and back.step_ms(4, 64, "ngram") == cal.step_ms(4, 64, "ngram")
+    assert calibrate(back, live).proposer_factor == cal.proposer_factor  # from the bare forwards, not compounded
+
+
 @pytest.mark.parametrize("spec, msg", [
     ("fixed:4@nope", "unknown proposer 'nope' after '@'; known: draft, eagle, ngram"),
     ("fixed:4@", "unknown proposer '' after '@'"),

@@ -49,6 +49,31 @@ def make_costs(buckets: tuple[int, ...] = (512, 128), draft_ms: float = 1.0,
 
 
 # ----- traces -------------------------------------------------------------------------------
+def test_traced_acceptance_counts_the_positions_a_proposer_could_draft_at() -> None:
+    from engine.decode.policies.rakv import PRIORS
+    from engine.service.cost_tables import ALPHA_MIN_STEPS, acceptance_priors
+
+    def rows(proposer: str, kept: list[int], lookahead: list[int | None]) -> list[dict[str, Any]]:
+        return [{"position": p + 1, "accept_len": a, "draft_ids": [9] * a, "proposer": proposer, "lookahead": la}
+                for p, (a, la) in enumerate(zip(kept, lookahead))]
+
+    eagle = rows("eagle", [1, 0, 0, 0], [None] * 4)  # a model: every position, 1 of 4 first tokens kept
+    ngram = rows("ngram", [2, 0, 1, 0], [3, 0, 2, 0])  # a lookup: only where it had a match (2 of 2)
+    key = ("cpu", "t", "d", "fp16")
+    with Store(":memory:") as st:
+        assert st.traced_first_token_acceptance(*key, proposer="eagle") == (0, 0)
+        st.add_trace(make_trace(), eagle + ngram)
+        st.add_trace(make_trace(trace_id="other-tier", target_tier="bf16"), rows("eagle", [1] * 4, [None] * 4))
+        assert st.traced_first_token_acceptance(*key, proposer="eagle") == (1, 4)
+        assert st.traced_first_token_acceptance(*key, proposer="ngram") == (2, 2)
+        assert st.traced_first_token_acceptance(*key, kv_tier="int8", proposer="eagle") == (0, 0)  # traced at native
+        # rakv's priors count them beside the live runs' drafting steps, padded as those are.
+        got = acceptance_priors(st, (*key, None, "native"), ("eagle", "ngram", "suffix"))
+        assert got["eagle"] == pytest.approx((1 + (ALPHA_MIN_STEPS - 4) * PRIORS["eagle"]) / ALPHA_MIN_STEPS)
+        assert got["ngram"] == pytest.approx((2 + (ALPHA_MIN_STEPS - 2) * PRIORS["ngram"]) / ALPHA_MIN_STEPS)
+        assert "suffix" not in got  # never traced, never run: rakv's default stands
+
+
 def test_trace_round_trip_and_ordering() -> None:
     with Store(":memory:") as st:
         first = st.add_trace(make_trace(), make_positions(3))

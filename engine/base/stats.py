@@ -2,6 +2,8 @@
 could move were the prompts drawn again (the bootstrap over prompts, percentile interval)."""
 from __future__ import annotations
 
+import math
+
 import numpy as np
 
 BOOTSTRAP_DRAWS = 2000  # the interval's ends move by < 0.2% between seeds at this many draws
@@ -26,6 +28,16 @@ def ratio_ci95(tokens_a, ms_a, tokens_b, ms_b, draws: int = BOOTSTRAP_DRAWS) -> 
     ratios = (ta / ma) / (tb / mb)
     lo, hi = np.percentile(ratios, [2.5, 97.5])
     return float(lo), float(hi)
+
+
+def prompts_for(interval: tuple[float, float], ratio: float, n: int, half_width: float = 0.03) -> int:
+    """Prompts the bootstrap over `n` prompts would need for its 95% interval around `ratio` to be
+    within ±half_width of it: an interval's width shrinks as 1/√n (the spread of the per-prompt
+    ratios, which it measures, staying what it is). n itself when it already is."""
+    lo, hi = interval
+    assert n > 0 and ratio > 0 and hi >= lo, (interval, ratio, n)
+    widest = max(hi - ratio, ratio - lo) / ratio  # the interval is not symmetric: its wider side
+    return max(n, math.ceil(n * (widest / half_width) ** 2))
 
 
 def geomean(values) -> float:

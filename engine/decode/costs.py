@@ -89,6 +89,13 @@ class CostTable:
     # The proposers other than the draft model ("eagle", "ngram", "suffix"), same buckets; the draft's are
     # the fields above. Tables measured before proposers had names hold the draft's alone.
     proposer_costs: dict[str, DraftCost] = field(default_factory=dict)
+    # Live step time / this table's per k for the steps one of those proposers drafted, where its
+    # own live steps calibrated it (`calibrate`); the others, the draft and plain steps take
+    # step_factor. A proposer's steps can run slower or faster than the draft's at the same k
+    # (the EAGLE head also reads the target's features; n-gram steps draft nothing): one factor
+    # for all, fitted mostly on the draft's steps, priced the lookups' steps at bf16 ~25% under
+    # what they took, and rakv and speckv drafted with them where a plain step was cheaper.
+    proposer_factor: dict[str, list[float]] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         assert self.buckets == sorted(self.buckets) and self.buckets, self.buckets
@@ -97,6 +104,8 @@ class CostTable:
         assert self.step_factor is None or len(self.step_factor) == K_MAX + 1, self.step_factor
         assert "draft" not in self.proposer_costs and all(len(c.ms) == len(self.buckets)
                                                           for c in self.proposer_costs.values()), self.proposer_costs
+        assert set(self.proposer_factor) <= set(self.proposer_costs) and all(
+            len(f) == K_MAX + 1 for f in self.proposer_factor.values()), self.proposer_factor
 
     @property
     def proposers(self) -> tuple[str, ...]:
@@ -140,16 +149,24 @@ class CostTable:
         return self.draft_part(k, context_len, proposer) + self.verify_part(k, context_len)
 
     def draft_part(self, k: int, context_len: int, proposer: str = "draft") -> float:
-        """The drafting share of step_ms (calibrated alike): what replay charges the proposer."""
+        """The drafting share of step_ms (calibrated alike): what replay charges the proposer. A
+        proposer with a factor of its own also carries the difference it makes to the verify's
+        price (verify_part is the same whoever drafted), so that the two add up to step_ms."""
         ms = k * self._at(self.drafting(proposer).ms, context_len) if k else 0.0
-        return ms * self.step_factor[k] if self.step_factor else ms
+        own = self.proposer_factor.get(proposer) if k else None
+        if own is None:
+            return ms * self.step_factor[k] if self.step_factor else ms
+        return ms * own[k] + self.verify_part(k, context_len) * (own[k] / self._factor(k) - 1.0)
+
+    def _factor(self, k: int) -> float:
+        return self.step_factor[k] if self.step_factor else 1.0
 
     def verify_part(self, k: int, context_len: int) -> float:
         """The verify share of step_ms: what replay charges the verifier. Past the last bucket a
         verify of k + 1 rows grows by k + 1 times the per-row slope (`row_slope`)."""
         beyond = self.band(context_len) - self.buckets[-1]
         ms = self.verify_ms[self.bucket_of(context_len)][k] + (k + 1) * self.row_slope() * max(beyond, 0)
-        return ms * self.step_factor[k] if self.step_factor else ms
+        return ms * self._factor(k)
 
     def row_slope(self) -> float:
         """ms per verified row per token of context past the last bucket: the median over k of
@@ -204,7 +221,8 @@ class CostTable:
                        warm_read_ms=cat(self.warm_read_ms, more.warm_read_ms),
                        proposer_costs={n: DraftCost(c.ms + theirs[n].ms, cat(c.cold_read_ms, theirs[n].cold_read_ms),
                                                     cat(c.warm_read_ms, theirs[n].warm_read_ms))
-                                       for n, c in self.proposer_costs.items() if n in theirs})
+                                       for n, c in self.proposer_costs.items() if n in theirs},
+                       proposer_factor={n: f for n, f in self.proposer_factor.items() if n in theirs})
 
     @classmethod
     def from_rows(cls, rows: list[dict]) -> "CostTable":
@@ -224,7 +242,7 @@ class CostTable:
         per_bucket = lambda name: ([float(r[name]) for r in rows]  # noqa: E731
                                    if all(_given(r.get(name)) for r in rows) else None)
         buckets = [int(r["ctx_bucket"]) for r in rows]
-        others = {}
+        others, own = {}, {}
         for name, theirs in by.items():
             at = {int(r["ctx_bucket"]): r for r in theirs}
             assert sorted(at) == buckets, (name, sorted(at), buckets)  # one batch: measured at the same contexts
@@ -232,12 +250,14 @@ class CostTable:
             read = lambda col: ([float(r[col]) for r in ordered]  # noqa: E731
                                 if all(_given(r.get(col)) for r in ordered) else None)
             others[name] = DraftCost([float(r["draft_ms"]) for r in ordered], read("cold_read_ms"), read("warm_read_ms"))
+            if _given(ordered[0].get("step_factor")):  # its own calibration (the draft's rows hold the others')
+                own[name] = [float(x) for x in ordered[0]["step_factor"]]
         return cls(buckets, [float(r["draft_ms"]) for r in rows],
                    [[float(x) for x in r["verify_ms"]] for r in rows], key,
                    [float(x) for x in factor] if _given(factor) else None,
                    per_bucket("prefill_ms"),
                    float(rows[0]["fill_ms"]) if _given(rows[0].get("fill_ms")) else None,
-                   per_bucket("cold_read_ms"), per_bucket("warm_read_ms"), others)
+                   per_bucket("cold_read_ms"), per_bucket("warm_read_ms"), others, own)
 
     def to_rows(self, reps: int) -> list[dict]:
         """The store's `costs` rows: the draft's (with the target's costs) per bucket, then each
@@ -249,7 +269,8 @@ class CostTable:
                                             self.cold_read_ms or none, self.warm_read_ms or none)]
         for name, d in self.proposer_costs.items():
             rows += [dict(self.key, ctx_bucket=b, proposer=name, draft_ms=ms, verify_ms=None, reps=reps,
-                          step_factor=None, prefill_ms=None, fill_ms=None, cold_read_ms=c, warm_read_ms=w)
+                          step_factor=self.proposer_factor.get(name), prefill_ms=None, fill_ms=None, cold_read_ms=c,
+                          warm_read_ms=w)
                      for b, ms, c, w in zip(self.buckets, d.ms, d.cold_read_ms or none, d.warm_read_ms or none)]
         return rows
 
@@ -267,17 +288,28 @@ def calibrate(table: CostTable, live: Iterable[tuple]) -> CostTable:
     tokens emitted since it last drafted, the accept loop, cache crops, and more so for short
     steps: controllers that weigh the bare forwards speculate where it does not pay
     (`bench controllers live` prints the factors). A k with fewer than CALIBRATE_MIN steps takes
-    the factor of the nearest drafting k that has them (k = 0 keeps 1.0 without its own)."""
-    bare = replace(table, step_factor=None)
+    the factor of the nearest drafting k that has them (k = 0 keeps 1.0 without its own).
+    A proposer other than the draft model with CALIBRATE_MIN steps of its own (any k) gets its
+    own factors (`proposer_factor`): those per k times the median of its steps' live time over
+    what they price them at."""
+    bare = replace(table, step_factor=None, proposer_factor={})
     ratios: dict[int, list[float]] = defaultdict(list)
+    steps: list[tuple[int, int, float, str]] = []
     for k, context_len, ms, *who in live:
         proposer = who[0] if who and who[0] else "draft"
         if 0 <= k <= K_MAX and ms > 0 and (k == 0 or proposer in bare.proposers):
             ratios[k].append(ms / bare.step_ms(k, context_len, proposer))
+            steps.append((k, context_len, ms, proposer))
     have = {k: statistics.median(v) for k, v in ratios.items() if len(v) >= CALIBRATE_MIN}
     drafting = sorted(k for k in have if k > 0)
     if not drafting:
         raise ValueError(f"too few live steps to calibrate costs (need {CALIBRATE_MIN} that drafted the same k): "
                          "profile this pair and tier first, e.g. `python -m engine profile --policies ar,fixed:1,fixed:2,fixed:4`")
     factor = [have.get(0, 1.0)] + [have[min(drafting, key=lambda j: (abs(j - k), j))] for k in range(1, K_MAX + 1)]
-    return replace(table, step_factor=factor)
+    pooled = replace(bare, step_factor=factor)
+    theirs: dict[str, list[float]] = defaultdict(list)
+    for k, context_len, ms, proposer in steps:
+        if k and proposer in bare.proposer_costs:
+            theirs[proposer].append(ms / pooled.step_ms(k, context_len, proposer))
+    own = {p: [f * statistics.median(r) for f in factor] for p, r in theirs.items() if len(r) >= CALIBRATE_MIN}
+    return replace(pooled, proposer_factor=own)

@@ -114,12 +114,17 @@ def controller_loader(store: Store) -> Callable[[str, int | None], Predictor]:
 
 
 def acceptance_priors(store: Store, key: tuple, proposers) -> dict[str, float]:
-    """Per proposer that drafted in them, the per-token acceptance of the stored live runs of
-    `key`'s pair, device, tier and KV tier (rakv's prior): below ALPHA_MIN_STEPS drafting steps
-    shrunk to rakv's default for that proposer, as if the missing steps had measured it."""
+    """Per proposer that drafted in them, the per-token acceptance of the stored live runs and
+    traces of `key`'s pair, device, tier and KV tier (rakv's prior; a trace counts each position
+    the proposer could draft at): below ALPHA_MIN_STEPS of those shrunk to rakv's default for that
+    proposer, as if the missing ones had measured it. Without the traces a head that is seldom
+    right (the embedded EAGLE head keeps 0.1–0.15 of its first tokens) would start at the
+    default 0.6 and be probed at a loss in every run on a tier where its drafts cannot pay."""
     priors = {}
     for name in proposers:
-        hits, n = store.first_token_acceptance(*key[:4], kv_tier=key[5], proposer=name)
+        live = store.first_token_acceptance(*key[:4], kv_tier=key[5], proposer=name)
+        traced = store.traced_first_token_acceptance(*key[:4], kv_tier=key[5], proposer=name)
+        hits, n = live[0] + traced[0], live[1] + traced[1]
         if n:
             pad = max(ALPHA_MIN_STEPS - n, 0)
             priors[name] = (hits + pad * default_prior(name)) / (n + pad)

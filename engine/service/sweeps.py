@@ -6,7 +6,7 @@ from typing import Any, Callable, ContextManager, Mapping
 
 from engine.base.helpers import csv_list
 from engine.base.names import KV_TIERS, WEIGHT_TIERS
-from engine.base.stats import ratio_ci95
+from engine.base.stats import prompts_for, ratio_ci95
 from engine.decode.policies import NEEDS_CONTEXT, parse_policy, split_spec
 from engine.lab.whatif import tier_label
 from engine.service.cost_tables import policy_context, reach
@@ -141,12 +141,15 @@ def sweep_table(runs) -> dict:
         peer_policy = best_fixed if best_fixed and fixed[best_fixed] >= tps.get("ar", 0.0) else "ar"
         gamma = int(split_spec(best_fixed)[0].split(":")[1]) if best_fixed else None  # `fixed:4@ngram`: 4
         adaptive = [p for p in tps if not p.startswith("fixed:") and p != "ar"]
+        n = int(df["prompt"].nunique())
+        ci = {p: _ci(per_prompt, p, peer_policy) for p in adaptive if peer_policy in tps}
         out[tier] = dict(tokens_per_s=tps, best_fixed=best_fixed, best_gamma=gamma, peer=peer, peer_policy=peer_policy,
-                         vs_peer={p: tps[p] / peer for p in adaptive},
-                         vs_peer_ci95={p: _ci(per_prompt, p, peer_policy) for p in adaptive if peer_policy in tps},
+                         vs_peer={p: tps[p] / peer for p in adaptive}, vs_peer_ci95=ci,
+                         # what ±3% would take: an interval's width shrinks as 1/√prompts
+                         vs_peer_prompts_for_3pct={p: prompts_for(c, tps[p] / peer, n) for p, c in ci.items()},
                          vs_ar={p: tps[p] / tps["ar"] for p in tps if "ar" in tps},
                          vs_ar_ci95={p: _ci(per_prompt, p, "ar") for p in tps if "ar" in tps},
-                         prompts=int(df["prompt"].nunique()))
+                         prompts=n)
     return out
 
 
@@ -164,6 +167,8 @@ def format_sweep(table: dict) -> str:
             rel = f"  {t['vs_ar'][pol]:.3f}× ar {_interval(t['vs_ar_ci95'].get(pol))}" if pol in t.get("vs_ar", {}) else ""
             if pol in t["vs_peer"]:
                 rel += f"  {t['vs_peer'][pol]:.3f}× peer {_interval(t.get('vs_peer_ci95', {}).get(pol))}"
+                if need := t.get("vs_peer_prompts_for_3pct", {}).get(pol):
+                    rel += f" (±3% needs ~{need} prompts)"
             lines.append(f"  {pol:14} {v:7.2f} tok/s{rel}")
     return "\n".join(lines)
 

@@ -10,6 +10,7 @@ Before the prefill it takes or declines the prefix cache's offer by the measured
 (`take_reuse`)."""
 from __future__ import annotations
 
+import math
 from typing import Callable, Mapping
 
 import numpy as np
@@ -119,16 +120,23 @@ def blended(ewma: float | None, trials: float, prior: float) -> float:
 
 
 def choose_probe(costs: CostTable, state: DecodeState, names: tuple[str, ...], winner: str | None,
-                 prior: Callable[[str], float]) -> tuple[Action, str] | None:
+                 prior: Callable[[str], float], winner_ms: float = math.inf) -> tuple[Action, str] | None:
     """A one-token probe for a proposer whose wait is over (`probe_due`), and why; None: no
-    probe. `winner` is the proposer the cost rule would draft with (None: plain decoding), a
-    probe bets on `prior(proposer)`. With one proposer, as a lone draft always did: a due probe
-    that would not repay the catch-up read decodes plainly. With several, each waits on its own,
-    the cheapest probe goes first, and a probe never takes the place of another proposer's draft
-    that pays (it would throw that step's expected tokens away)."""
+    probe. `winner` is the proposer the cost rule would draft with (None: plain decoding), at
+    `winner_ms` per expected token; a probe bets on `prior(proposer)`. With one proposer, as a
+    lone draft always did: a due probe that would not repay the catch-up read decodes plainly.
+    With several, each waits on its own, the cheapest probe goes first, and a probe takes the
+    place of another proposer's draft that pays only where it promises more, its one token at
+    its prior costing less per expected token (else it would throw that step's expected tokens
+    away): a proposer that keeps winning at a small margin (a head right one time in ten, where
+    a 2-row verify costs a plain step) must not keep one that looked bad once from ever being
+    tried again."""
     several = len(state.proposers) > 1
-    due = [p for p in names if (not several or winner in (None, p))
-           and probe_due(state, costs, p if several else None)]
+
+    def outbids(p: str) -> bool:
+        return winner in (None, p) or costs.step_ms(1, state.context_len, p) / (1.0 + prior(p)) < winner_ms
+
+    due = [p for p in names if (not several or outbids(p)) and probe_due(state, costs, p if several else None)]
     refused = []
     for p in sorted(due, key=lambda p: costs.step_ms(1, state.context_len, p)):
         if probe_pays(costs, state, prior(p), p):
@@ -177,7 +185,7 @@ class RakvPolicy(BasePolicy):
         best = {p: self._best(state, p, alphas[p]) for p in names}  # (k, ms/token) each
         ranked = sorted((p for p in names if best[p][0]), key=lambda p: best[p][1])  # stable: run order on ties
         winner = ranked[0] if ranked else None
-        probe = choose_probe(self.costs, state, names, winner, self.prior)
+        probe = choose_probe(self.costs, state, names, winner, self.prior, best[winner][1] if winner else math.inf)
         if probe is not None:
             action, self.why = probe
             return action
