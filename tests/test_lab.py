@@ -267,7 +267,7 @@ def test_ratio_interval_narrows_with_prompts_and_pairs_them():
     lo64, hi64 = interval(64)
     assert lo64 < 1.2 < hi64 and hi64 - lo64 < hi8 - lo8 and hi64 - lo64 < 0.04
     assert speed_ratio(np.array([10.0]), np.array([1.0]), np.array([10.0]), np.array([2.0])) == 2.0
-    # The prompts ±3% would take, from the interval over 8 (width ∝ 1/√n): near what 64 gave.
+    # The prompts an interval would need to be within ±3% (its width ∝ 1/√n).
     from engine.base.stats import prompts_for
 
     assert prompts_for((1.14, 1.26), 1.2, 8) == 23  # ±5%: 8 × (5 / 3)² = 22.2

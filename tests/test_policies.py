@@ -434,6 +434,22 @@ def test_each_proposer_waits_for_its_own_probe():
     assert a.proposer == "draft" and a.k > 1
 
 
+def test_a_due_probe_outbids_a_proposer_that_wins_by_a_hair():
+    """Where a verify's extra rows cost nothing (bf16 here), a head that is seldom right still
+    wins step after step by a hair over plain decoding and over a draft that once failed; the
+    draft's due probe takes the step when its one token at its prior promises more, not when
+    the winner's draft pays well (rakv.choose_probe, which speckv shares)."""
+    costs = _ProposerCosts(per_token=0.0)  # a step drafting k: 10 ms + 1 ms (draft) or 0.5 ms (eagle) a token
+    prefill, dud = replace(_rec(0, 0, 0), step=0), _by("draft", 2, 2, 0)
+    hist = [prefill, dud] + [_by("eagle", 2, 2, 0)] * 16  # the draft has not drafted for 16 steps
+    pol = make_policy("rakv", _ctx(costs))
+    failing = {"eagle": (0.0, 5.0), "draft": (0.0, 5.0)}  # both rejected: eagle wins at ~8 ms a token
+    a = pol.choose(_multi(hist, alphas=failing, proposers=("draft", "eagle")))
+    assert (a.k, a.proposer) == (1, "draft") and pol.why.startswith("probe draft")
+    a = pol.choose(_multi(hist, alphas={**failing, "eagle": (0.95, 5.0)}, proposers=("draft", "eagle")))
+    assert a.proposer == "eagle" and a.k > 1  # the winner's draft pays well: no probe takes its place
+
+
 def test_speckv_weighs_the_other_proposers_by_their_acceptance():
     import numpy as np
 
