@@ -93,7 +93,7 @@ class CostTable:
     # own live steps calibrated it (`calibrate`); the others, the draft and plain steps take
     # step_factor. A proposer's steps can run slower or faster than the draft's at the same k
     # (the EAGLE head also reads the target's features; n-gram steps draft nothing): one factor
-    # for all, fitted mostly on the draft's steps, priced the lookups' steps at bf16 ~25% under
+    # for all, fitted mostly on the draft's steps, priced the others' steps at bf16 10–36% under
     # what they took, and rakv and speckv drafted with them where a plain step was cheaper.
     proposer_factor: dict[str, list[float]] = field(default_factory=dict)
 
