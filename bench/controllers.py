@@ -21,12 +21,12 @@ import json
 import sys
 import tempfile
 import time
-from collections import defaultdict
 from pathlib import Path
 
 import numpy as np
 
 from engine.base.names import DATA_DIR
+from engine.datasets.prompts import first_per_task
 
 VERIFY = ("auto", "exact", "fast")  # engine.service.options.VERIFY_MODES (imported there with torch)
 
@@ -217,12 +217,7 @@ def calibration_others(policies: list[str], prompts: list[tuple[str, str]]) -> d
     model among `policies`, on the first OTHER_CALIBRATION_PROMPTS prompts of each task."""
     others = tuple(dict.fromkeys(f"fixed:4@{p.partition('@')[2]}" for p in policies
                                  if p.startswith("fixed:") and p.partition("@")[2] not in ("", "draft")))
-    seen: dict[str, int] = defaultdict(int)
-    out = {}
-    for task, prompt in prompts:
-        if seen[task] < OTHER_CALIBRATION_PROMPTS:
-            out[(task, prompt)], seen[task] = others, seen[task] + 1
-    return out
+    return {tp: others for tp in first_per_task(prompts, OTHER_CALIBRATION_PROMPTS)}
 
 
 def live_policies(pair, ks: str, proposers: str | None) -> list[str]:

@@ -45,7 +45,7 @@ import torch
 
 from bench.draft_tables import GAMMA, format_report, headline, proposer_stats, setting_table, tier_table
 from engine.base.helpers import median_ms
-from engine.datasets.prompts import heldout
+from engine.datasets.prompts import first_per_task, heldout
 from engine.decode.policies import PolicyContext
 from engine.lab.generation import Generation, encode_prompt
 from engine.oracles import available
@@ -194,17 +194,6 @@ def check_hf_assisted(spec: str) -> None:
 
 
 # -- running ------------------------------------------------------------------------------------------
-def _per_task(prompts: list[tuple[str, str]], n: int) -> list[tuple[str, str]]:
-    """The first n prompts of each task, in the list's order."""
-    seen: dict[str, int] = {}
-    out = []
-    for task, p in prompts:
-        if seen.get(task, 0) < n:
-            out.append((task, p))
-            seen[task] = seen.get(task, 0) + 1
-    return out
-
-
 def _steps(g: Generation) -> list[tuple[int, int, int, str]]:
     """(k drafted, accepted, emitted, proposer) of each step after the prefill."""
     return [(r.k_drafted, r.accepted, r.emitted, r.proposer) for r in g.records[1:]]
@@ -337,7 +326,7 @@ def measure(load: Callable[[str, bool | None], ModelPair], settings: list[tuple[
     for s in opts.hf_assisted:
         check_hf_assisted(s)
     prompts = opts.prompts or heldout(max(10, opts.per_task + 1))  # one more than timed: the calibration prompt
-    timed_prompts = _per_task(prompts, opts.per_task)
+    timed_prompts = first_per_task(prompts, opts.per_task)
     rest = [tp for tp in prompts if tp not in timed_prompts]
     calib = rest[0] if rest else timed_prompts[0]
     tasks = [t for t, _ in timed_prompts]
@@ -358,7 +347,7 @@ def measure(load: Callable[[str, bool | None], ModelPair], settings: list[tuple[
         timed = [encode_prompt(pairs[labels[0]].tokenizer, p, chat=True) for _, p in timed_prompts]
         if warm is None and opts.suffix_history > 0 and "suffix" in _proposers(pairs[labels[0]], opts):
             say(f"suffix: the warm history, outputs of {opts.suffix_history} untimed prompt(s) per task…")
-            warm = greedy_history(pairs[labels[0]], [p for _, p in _per_task(rest, opts.suffix_history)], opts.max_new)
+            warm = greedy_history(pairs[labels[0]], [p for _, p in first_per_task(rest, opts.suffix_history)], opts.max_new)
         entries, contexts, policies = [], {}, {}
         for where, pair in pairs.items():
             say(f"{where}: measuring costs{' and calibrating them' if opts.calibrate_tokens else ''}…")
@@ -396,7 +385,7 @@ def _draft_figures(pair: ModelPair, prompts, timed_prompts, results, where: str,
     """The draft model's teacher-forced agreement (along ar's outputs: the target's greedy ones)
     and its raw forward cost against the target's, as this benchmark reported them before."""
     n = opts.agreement_per_task or opts.per_task
-    chosen = _per_task(prompts, max(n, 1))
+    chosen = first_per_task(prompts, max(n, 1))
     ar_out = {p: r["output"] for (_, p), r in zip(timed_prompts, results[(where, "ar")])}
     by_task: dict[str, list[int]] = {}
     for task, p in chosen:

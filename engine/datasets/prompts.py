@@ -51,6 +51,17 @@ def bench_prompts(per_task: int = 1) -> list[tuple[str, str]]:
     return [(task, ps[i]) for i in range(per_task) for task, ps in BENCH.items() if i < len(ps)]
 
 
+def first_per_task(prompts: list[tuple[str, str]], n: int) -> list[tuple[str, str]]:
+    """The first n of each task's (task, prompt) pairs, in the list's order."""
+    seen: dict[str, int] = {}
+    out = []
+    for task, p in prompts:
+        if seen.get(task, 0) < n:
+            out.append((task, p))
+            seen[task] = seen.get(task, 0) + 1
+    return out
+
+
 @lru_cache(maxsize=1)
 def _heldout() -> dict[str, list[str]]:
     data = json.loads(HELDOUT_FILE.read_text())
