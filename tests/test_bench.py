@@ -233,3 +233,35 @@ def test_kv_bench_codes_restores_and_tabulates_acceptance_on_a_tiny_pair(tiny_di
     rows = kv.acceptance(a)
     assert [(r["target_tier"], r["kv_tier"]) for r in rows] == [("fp32", t) for t in ("native", "fp8", "int8")]
     assert all(0 <= r["acceptance"] <= 1 and r["best_gamma"] in kv.GAMMAS and r["tokens_per_s"]["ar"] > 0 for r in rows)
+
+
+def test_self_draft_bench_measures_the_targets_own_layers_beside_the_pair_draft(tiny_dirs):
+    """bench self_draft on a tiny target: the shipped (noisy-copy) draft and the target's own
+    layers stored as an int8 SpecLab draft, read through the same proposer; every layer of the
+    target agrees with it far more than a subset does, and a bad candidate is one line."""
+    import argparse
+
+    from bench import self_draft
+    from engine.runtime.models import load_model, load_pair, resolve_device
+
+    target_dir, draft_dir = tiny_dirs
+    target = load_model(str(target_dir), "fp32", resolve_device("cpu"))
+    opts = argparse.Namespace(agreement_per_task=1, agreement_tokens=8, live_prompts=2, max_new_tokens=8, reps=2)
+
+    def load(draft):
+        return load_pair(str(target_dir), draft or str(draft_dir), "fp32", device="cpu")
+
+    n = target.config.num_hidden_layers
+    res = self_draft.measure(load, target, "tiny", ["shipped", "all", "0"], opts)
+    rows = {r["candidate"]: r for r in res["rows"]}
+    assert [rows[c]["layers"] for c in ("all", "0")] == [n, 1] and res["target_layers"] == n
+    assert rows["all"]["agreement"] > 0.9 > rows["0"]["agreement"]  # every layer in int8 rows: nearly the target
+    assert all(r["cost_ratio"] > 0 and r["tau_at_4"] >= 1.0 for r in rows.values())
+    assert "products_int8_ms" not in rows["shipped"]
+    if "products_int4_ms" in rows["all"]:  # where torch's CPU int4 kernel takes the tiny shapes
+        assert rows["all"]["products_int4_ms"] > 0 and rows["all"]["int4_cost_ratio_estimate"] > 0
+    assert "all" in self_draft.format_report(res)
+    for bad in ("7-99", "x", ""):
+        with pytest.raises(ValueError, match="candidate|layers") as e:
+            self_draft.parse_layers(bad, n)
+        assert "\n" not in str(e.value)
