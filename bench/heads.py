@@ -156,16 +156,23 @@ def _sizes(text: str) -> tuple[int, ...]:
         raise ValueError(f"--sizes takes integers or 'full', got {text!r}") from None
 
 
+def add_measure_args(p: argparse.ArgumentParser, agreement_per_task: int, agreement_tokens: int) -> None:
+    """`measure`'s options (bench self_draft takes them too), and --json."""
+    p.add_argument("--agreement-per-task", type=int, default=agreement_per_task,
+                   help="held-out prompts per task for agreement")
+    p.add_argument("--agreement-tokens", type=int, default=agreement_tokens,
+                   help="target continuation length per prompt")
+    p.add_argument("--live-prompts", type=int, default=4, help="prompts of the live τ runs (the first agreement ones)")
+    p.add_argument("--max-new-tokens", type=int, default=48, help="length of the live runs")
+    p.add_argument("--reps", type=int, default=30, help="timed one-token steps (and product passes) per configuration")
+    p.add_argument("--json", action="store_true")
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="bench heads", description=__doc__.splitlines()[0])
     add_model_args(p)
     p.add_argument("--sizes", default="4096,8192,16384,32768,full", help="head sizes K ('full': the whole head)")
-    p.add_argument("--agreement-per-task", type=int, default=2, help="held-out prompts per task for agreement")
-    p.add_argument("--agreement-tokens", type=int, default=64, help="target continuation length per prompt")
-    p.add_argument("--live-prompts", type=int, default=4, help="prompts of the live τ runs (the first agreement ones)")
-    p.add_argument("--max-new-tokens", type=int, default=48, help="length of the live runs")
-    p.add_argument("--reps", type=int, default=30, help="timed one-token steps per configuration")
-    p.add_argument("--json", action="store_true")
+    add_measure_args(p, agreement_per_task=2, agreement_tokens=64)
     a = p.parse_args(argv)
     sizes = _sizes(a.sizes)
     for k in sizes:

@@ -158,12 +158,7 @@ def main(argv: list[str] | None = None) -> int:
     add_model_args(p)
     p.add_argument("--candidates", default="shipped;all;0-7,24-29",
                    help="';'-separated: 'shipped' (the pair's draft), 'all' or layer ranges of the target")
-    p.add_argument("--agreement-per-task", type=int, default=1, help="held-out prompts per task for agreement")
-    p.add_argument("--agreement-tokens", type=int, default=48, help="target continuation length per prompt")
-    p.add_argument("--live-prompts", type=int, default=4, help="prompts of the live τ runs (the agreement ones)")
-    p.add_argument("--max-new-tokens", type=int, default=48, help="length of the live runs")
-    p.add_argument("--reps", type=int, default=30, help="timed steps (and product passes) per configuration")
-    p.add_argument("--json", action="store_true")
+    heads.add_measure_args(p, agreement_per_task=1, agreement_tokens=48)
     a = p.parse_args(argv)
     from engine.runtime.models import EMBEDDED_LABEL
 
