@@ -30,7 +30,7 @@ import torch
 from bench import heads
 from engine.base.helpers import medians_ms
 from engine.runtime import draft_model as draftlib
-from engine.runtime.models import ModelPair, load_model, load_pair, resolve_device
+from engine.runtime.models import EMBEDDED_LABEL, ModelPair, load_model, load_pair, resolve_device
 from engine.service.options import add_model_args
 
 SHIPPED = "shipped"
@@ -76,13 +76,15 @@ def _shapes(cfg) -> list[tuple[int, int]]:
 @torch.inference_mode()
 def products_ms(cfg, n_layers: int, reps: int) -> dict[str, float] | None:
     """ms of one pass over `n_layers` layers' products (distinct weights, so each pass streams them
-    from memory as a draft step does), int8 and int4 timed in turns. None where the int4 kernel
-    cannot take these shapes (off CPU, or an input width not a multiple of the group)."""
+    from memory as a draft step does), int8 and int4 timed in turns, on the CPU (torch's int4
+    kernel here is the CPU one). None where it cannot take these shapes (an input width not a
+    multiple of the group)."""
     shapes = _shapes(cfg)
     if any(i % INT4_GROUP for _, i in shapes):
         return None
     gen = torch.Generator().manual_seed(0)
     x = {i: torch.randn(1, i, generator=gen).to(torch.bfloat16) for _, i in shapes}  # [1, in]
+
     def bf16(*size: int) -> torch.Tensor:
         return torch.rand(*size, generator=gen).to(torch.bfloat16)
 
@@ -160,8 +162,6 @@ def main(argv: list[str] | None = None) -> int:
                    help="';'-separated: 'shipped' (the pair's draft), 'all' or layer ranges of the target")
     heads.add_measure_args(p, agreement_per_task=1, agreement_tokens=48)
     a = p.parse_args(argv)
-    from engine.runtime.models import EMBEDDED_LABEL
-
     specs = [s for s in a.candidates.split(";") if s.strip()]
     target = load_model(a.target, "fp32", resolve_device(a.device), a.trust_remote_code)
 
