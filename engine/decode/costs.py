@@ -155,7 +155,7 @@ class CostTable:
         ms = k * self._at(self.drafting(proposer).ms, context_len) if k else 0.0
         own = self.proposer_factor.get(proposer) if k else None
         if own is None:
-            return ms * self.step_factor[k] if self.step_factor else ms
+            return ms * self._factor(k)
         return ms * own[k] + self.verify_part(k, context_len) * (own[k] / self._factor(k) - 1.0)
 
     def _factor(self, k: int) -> float:
