@@ -16,7 +16,7 @@ from .errors import StoreError
 from .schema import PY_DEFAULTS, arrow_schema, columns
 
 # Tables whose id column gets a fresh uuid when the caller gives none.
-_IDS = {"runs": "run_id", "traces": "trace_id", "kv_measurements": "measurement_id"}
+_IDS = {"runs": "run_id", "traces": "trace_id", "kv_measurements": "measurement_id", "export_checks": "check_id"}
 # Child tables: (column naming the parent, the columns unique per parent; the last must be given,
 # the others have defaults: a trace position and a cost bucket are the draft model's unless named).
 _CHILDREN = {"steps": ("run_id", ("step",)), "trace_positions": ("trace_id", ("proposer", "position")),

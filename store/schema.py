@@ -243,6 +243,23 @@ MIGRATIONS: list[str] = [
     DROP TABLE costs;
     ALTER TABLE costs_9 RENAME TO costs;
     """,
+    # 10: an export run in the engine it names (`bench exports`): one row per engine per run, with
+    # the tuned setting it ran (a SpecLab config), whether it ran and why not, and its figures as
+    # JSON (tok/s by mode, realized speed-up beside SpecLab's predicted one); the Export page shows
+    # the newest per engine for the setting on screen.
+    """
+    CREATE TABLE export_checks (
+        check_id VARCHAR NOT NULL PRIMARY KEY,
+        created_at TIMESTAMP DEFAULT CAST(now() AS TIMESTAMP),
+        device VARCHAR,
+        engine VARCHAR NOT NULL,
+        engine_version VARCHAR,
+        config JSON,
+        ran BOOLEAN,
+        reason VARCHAR,
+        result JSON
+    );
+    """,
 ]
 
 # Values filled in for a missing key, matching the column DEFAULTs above: inserts go BY

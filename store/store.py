@@ -262,6 +262,23 @@ class Store:
         """Stored exports (of one name, or all), oldest first."""
         return self._select("exports", "export_id", {} if name is None else {"name": name})
 
+    def add_export_check(self, row: Mapping[str, Any]) -> str:
+        """Store one run of an export in the engine it names (engine, engine_version, device,
+        config, ran, reason, result JSON); returns its id."""
+        self._check_writable("an export check")
+        engine = row.get("engine")
+        if not isinstance(engine, str) or not engine.strip():
+            raise StoreError(f"export check engine must be a non-empty string, got {engine!r}")
+        table = to_table("export_checks", "export check", [row])
+        check_id: str = table["check_id"][0].as_py()
+        with self._writing(f"export check {check_id}") as con:
+            insert(con, "export_checks", table)
+        return check_id
+
+    def export_checks(self, **equals: Any) -> pd.DataFrame:
+        """Export checks whose columns equal the given values, oldest first."""
+        return self._select("export_checks", "check_id", equals)
+
     def kv_measurements(self, **equals: Any) -> pd.DataFrame:
         """KV measurements whose columns equal the given values, oldest first."""
         return self._select("kv_measurements", "measurement_id", equals)

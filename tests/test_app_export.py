@@ -29,8 +29,9 @@ def test_export_page_renders_the_four_forms(app_env):
     assert from_dict(yaml.safe_load(codes[1])) == shown
     assert json.loads(codes[2])["num_assistant_tokens_schedule"] == "constant"
     assert json.loads(codes[3])["method"] == "draft_model"
-    assert len(at.get("download_button")) == 4
-    assert [b.label for b in at.button] == ["Save to store"]
+    downloads = at.get("download_button")
+    assert len(downloads) == 4
+    assert [b.label for b in at.button] == ["Save to store", "Write directory"]
 
 
 def test_save_shows_the_version_and_lists_it(app_env):
@@ -81,3 +82,48 @@ def test_the_form_starts_from_the_latest_run(app_env):
     assert at.text_input(key="export_policy").value == "fixed:2"
     assert at.selectbox(key="export_kv_tier").value == "int8"
     assert at.number_input(key="export_max_new").value == 33
+
+
+def test_each_engine_says_whether_this_export_ran_there_and_what_it_gave(app_env):
+    import os
+
+    at = _export_page()
+    lines = [m.value for m in at.markdown if m.value.startswith("- ")]
+    assert len(lines) == 2 and all("not run there yet" in ln and "bench exports --policy rakv" in ln for ln in lines)
+    cfg = TunedConfig(target=os.environ["SPECLAB_TARGET"], draft=os.environ["SPECLAB_DRAFT"], policy="fixed:4")
+    result = {"tok_s": {"plain": 20.0, "speclab_export": 25.0}, "realized_speedup": 1.25, "predicted_speedup": 1.5,
+              "realized_vs_predicted": 1.25 / 1.5, "identical": 1.0, "prompts": 12, "max_new_tokens": 64}
+    with Store(app_env) as st:
+        st.add_export_check({"engine": "transformers", "engine_version": "5.24.0", "device": "cpu",
+                             "config": TunedConfig(**{**cfg.to_dict(), "max_new_tokens": 64}).to_dict(), "ran": True,
+                             "reason": "", "result": result})
+        st.add_export_check({"engine": "vllm", "engine_version": None, "device": "cpu", "config": cfg.to_dict(),
+                             "ran": False, "reason": "no vLLM CPU environment at .venv-vllm", "result": {}})
+        st.add_export_check({"engine": "vllm", "engine_version": None, "device": "cpu",  # another setting's
+                             "config": TunedConfig(target=cfg.target, draft=cfg.draft, policy="fixed:2").to_dict(),
+                             "ran": False, "reason": "other", "result": {}})
+    at.text_input(key="export_policy").set_value("fixed:4").run()
+    assert not at.exception and not _errors(at), _errors(at)
+    hf, vllm = [m.value for m in at.markdown if m.value.startswith("- ")]
+    assert hf.startswith("- Hugging Face 5.24.0 (fp32)") and "1.25× its plain decoding" in hf
+    assert "predicted 1.50× (realized/predicted 0.83)" in hf and "100% of 12 prompts" in hf
+    assert vllm.startswith("- vLLM: did not run") and vllm.endswith("no vLLM CPU environment at .venv-vllm")
+
+
+def test_write_directory_writes_a_checked_export(app_env, tmp_path):
+    from engine.service.export_dir import check_export_dir, summary
+
+    at = _export_page()
+    at.text_input(key="export_policy").set_value("fixed:3").run()
+    at.selectbox(key="export_dir_format").set_value("hf")
+    at.text_input(key="export_dir").set_value(str(tmp_path / "out")).run()
+    at.button(key="export_dir_write").click().run()
+    assert not at.exception and not _errors(at), _errors(at)
+    out = tmp_path / "out"
+    assert [s.value for s in at.success] == [summary(out, check_export_dir(out))]
+    # The sidebar's draft (a Hugging Face model directory) is copied in, named relative to the export.
+    assert json.loads((out / "hf_generate_kwargs.json").read_text())["assistant_model"] == "draft"
+    assert "draft draft/" in at.success[0].value
+    at.button(key="export_dir_write").click().run()  # the same directory again: one line, nothing lost
+    errors = _errors(at)
+    assert len(errors) == 1 and "exists and is not an empty directory" in errors[0], errors

