@@ -8,10 +8,14 @@ wrong with a directory before an engine loads it.
     DIR/hf_generate_kwargs.json `target.generate(ids, **kwargs)`; assistant_model is "draft"   (--format hf)
     DIR/vllm.json               `vllm.LLM(**engine_args)`; speculative_config.model is "draft" (--format vllm)
     DIR/speclab.json|yaml       `python -m engine generate --config DIR/speclab.yaml`          (--format json|yaml)
-    DIR/draft/                  the draft as a standalone Llama: its layers, the target's embedding
-                                (tied head), tokenizer, generation_config with the assistant keys
-    DIR/speclab_draft/          SpecLab's own draft directory (int8 rows, shared embedding) for the
-                                SpecLab engine, which reads it faster than a standalone model
+    DIR/draft/                  the draft as a model the engine loads: a SpecLab draft as a standalone
+                                Llama (its layers, the target's embedding as a tied head, tokenizer), a
+                                Hugging Face draft directory as it is; generation_config carries the
+                                assistant keys
+    DIR/speclab_draft/          for SpecLab (json|yaml): its own draft directory as it is (int8 rows,
+                                shared embedding), which it reads faster than a standalone model
+
+A draft named by a hub id is named as it is, not copied.
 
 A SpecLab draft shares the target's embedding and LM head and stores its matrices as int8 rows;
 neither Hugging Face nor vLLM reads that, so the standalone form holds plain tensors at the
@@ -39,7 +43,6 @@ MANIFEST_FORMAT = "speclab-export/1"
 DRAFT = "draft"  # the standalone draft (Hugging Face and vLLM)
 SPECLAB_DRAFT = "speclab_draft"  # SpecLab's own draft directory
 CONFIG_FILES = {"hf": "hf_generate_kwargs.json", "vllm": "vllm.json", "json": "speclab.json", "yaml": "speclab.yaml"}
-ENGINES = {"hf": "transformers", "vllm": "vllm", "json": "speclab", "yaml": "speclab"}
 # Weight tier → the dtype a standalone draft is stored at and vLLM's `dtype` for the target.
 DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 # Tokenizer and generation files copied from the target beside the standalone draft.
@@ -173,7 +176,10 @@ def write_standalone_draft(src: Path, target_source: str, out: Path, tier: str,
     state["model.embed_tokens.weight"] = embedding.to(dtype)
     config.tie_word_embeddings = True
     config.dtype = DTYPES[tier]
-    config.name_or_path = ""
+    for stale in ("_model_name_or_path", "_name_or_path"):  # the distillation's, not this model's
+        if hasattr(config, stale):
+            delattr(config, stale)
+    _check_layout(config, state, src)
     out.mkdir(parents=True)
     config.save_pretrained(out)
     # Bytes written here, not save_file: its file would be private (0600) whatever the umask.
@@ -189,6 +195,22 @@ def write_standalone_draft(src: Path, target_source: str, out: Path, tier: str,
     for name in TOKENIZER_FILES:
         if (Path(target_source) / name).is_file():
             shutil.copyfile(Path(target_source) / name, out / name)
+
+
+def _check_layout(config, state: dict[str, Any], src: Path) -> None:
+    """The tensors are exactly what the architecture's model holds (its tied head aside): built on
+    the meta device, so nothing is allocated."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    tied = {k for k in model.state_dict() if k.endswith("lm_head.weight")}
+    want = set(model.state_dict()) - tied
+    if set(state) != want:
+        odd = sorted(set(state) ^ want)
+        raise ValueError(f"draft {src}: {len(odd)} tensors do not fit {type(model).__name__} (e.g. {odd[0]}): "
+                         "this architecture has no standalone form here")
 
 
 def _loaded_target(source: str):
