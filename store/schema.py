@@ -260,6 +260,12 @@ MIGRATIONS: list[str] = [
         result JSON
     );
     """,
+    # 11: how far a cost table may be off: the widest relative spread (IQR / median) of its timed
+    # points, and other processes' CPU (cores on average) while it was measured (NULL: before).
+    """
+    ALTER TABLE costs ADD COLUMN spread DOUBLE;
+    ALTER TABLE costs ADD COLUMN busy DOUBLE;
+    """,
 ]
 
 # Values filled in for a missing key, matching the column DEFAULTs above: inserts go BY

@@ -1,4 +1,5 @@
 import os
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -6,6 +7,11 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # before transformers is imported (tiny imports it)
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# Cost tables are refused when other processes use the CPU while they are measured
+# (engine/lab/timing.py); the suite's own workers do, by design. The tests of that refusal set it.
+os.environ.setdefault("SPECLAB_BUSY_CORES", "inf")
+# The CLI's prefix disk tier writes beside the user's converted models; the suite's runs write here.
+os.environ.setdefault("SPECLAB_PREFIX_DIR", tempfile.mkdtemp(prefix="speclab-prefix-kv-"))
 # Under pytest-xdist (`make test`) the cores are shared out among the workers, before torch is
 # imported and for every process a test starts (CLI runs, the app server, Ray's workers): two
 # processes with a thread per core each would contend for both cores and slow each other tenfold.

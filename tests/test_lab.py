@@ -3,6 +3,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -188,7 +189,8 @@ def test_long_contexts_are_measured_with_fewer_rounds():
 
 
 def test_whole_bucket_reads_run_in_a_few_rounds_spread_over_the_block():
-    from engine.lab.profiling import LONG_REPS, _medians_ms, long_rounds
+    from engine.lab.profiling import LONG_REPS, long_rounds
+    from engine.lab.timing import timed_medians
 
     assert long_rounds(9, 2) == {0, 2, 6, 10}  # a warm-up, then the first, middle and last timed rounds
     assert long_rounds(4, 2) == {0, 2, 3, 5} and long_rounds(1, 2) == {0, 2} and long_rounds(2, 0) == {0, 1}
@@ -197,8 +199,94 @@ def test_whole_bucket_reads_run_in_a_few_rounds_spread_over_the_block():
     def bump(name):
         return lambda: calls.__setitem__(name, calls[name] + 1)
 
-    ms = _medians_ms([(bump("short"), bump("then")), (bump("long"), None)], 9, 2, lambda: None, sparse={1})
-    assert len(ms) == 2 and calls == {"short": 11, "long": 1 + min(LONG_REPS, 9), "then": 11}
+    few = long_rounds(9, 2)
+    t = timed_medians([(bump("short"), bump("then")), (bump("long"), None)], 9, 2, lambda: None,
+                      rounds_of=lambda i: few if i == 1 else None, spread_limit=float("inf"))
+    assert len(t.medians) == 2 and calls == {"short": 11, "long": 1 + min(LONG_REPS, 9), "then": 11}
+
+
+def _busy_for(seconds: float):
+    """A function that works the CPU for `seconds` (what a timed forward does)."""
+    def work() -> None:
+        end = time.process_time() + seconds
+        while time.process_time() < end:
+            pass
+    return work
+
+
+def test_a_noisy_round_is_refused_and_timed_again():
+    """A busy neighbour, simulated by a sleep in one round: that call's CPU share falls, so it is
+    timed again instead of entering the median (and the figure is the quiet one)."""
+    from engine.lab.timing import timed_medians
+
+    work, calls = _busy_for(0.004), [0]
+
+    def sometimes_stalled() -> None:
+        calls[0] += 1
+        if calls[0] == 5:  # one call of the timed rounds waits as if the CPU were taken away
+            time.sleep(0.2)
+        work()
+
+    t = timed_medians([(sometimes_stalled, None), (work, None)], 7, 1)
+    assert t.disturbed >= 1 and max(t.samples[0]) < 100, t.samples  # the 200 ms call did not enter them
+    assert len(t.samples[0]) >= 7 and t.medians[0] < 10
+
+
+def test_points_whose_rounds_disagree_get_more_rounds():
+    from engine.lab.timing import timed_medians
+
+    pace = iter([0.002, 0.008] * 50)
+    t = timed_medians([(lambda: _busy_for(next(pace))(), None)], 6, 0)
+    assert t.added_rounds >= 1 and len(t.samples[0]) > 6  # 2 vs 8 ms alternating: wide, so more rounds
+    assert len(t.samples[0]) <= 12  # at most twice the rounds asked
+
+
+def test_a_stored_cost_table_is_monotone_and_carries_its_spread(tiny_pair):
+    from engine.decode.costs import is_monotone, monotone
+
+    t = CostTable([64, 256], [1.0, 0.9], [[10.0, 12.0, 30.0, 14.0] + [15.0] * 5, [9.0] + [20.0] * 8],
+                  key=dict(device="cpu", target="t", draft="d", target_tier="fp32", draft_tier="fp32"))
+    m = monotone(t)
+    assert m.verify_ms[0][:4] == [10.0, 12.0, 30.0, 30.0] and m.verify_ms[1][0] == 10.0  # in k, then in context
+    assert m.draft_ms == [1.0, 1.0] and is_monotone(m) and not is_monotone(t)
+    measured = measure_costs(tiny_pair, buckets=(8, 32), reps=3)
+    assert is_monotone(measured) and measured.spread is not None and measured.source == "measured"
+    from store import Store
+
+    with Store(":memory:") as st:
+        st.add_costs(measured.to_rows(3))
+        back = CostTable.from_rows(st.costs().to_dict("records"))
+    assert back.spread == pytest.approx(measured.spread) and back.describe().startswith("measured table, ±")
+
+
+def test_a_busy_machine_is_measured_again_and_then_refused(tiny_pair, monkeypatch):
+    """Other processes' CPU time during the measurement (/proc/stat less this process): a table
+    measured beside another job is not kept."""
+    from engine.lab import profiling, timing
+
+    monkeypatch.setenv("SPECLAB_BUSY_CORES", "0.25")
+    readings = iter([0.0, 50.0, 100.0, 150.0])  # every span: 50 CPU-seconds of others' work
+    monkeypatch.setattr(timing, "_busy_cpu_s", lambda: next(readings))
+    said = []
+    with pytest.raises(timing.MachineBusy, match="other processes used .* of a core") as e:
+        profiling.measure_costs(tiny_pair, buckets=(8,), reps=1, progress=said.append)
+    assert "\n" not in str(e.value) and any("measuring again" in m for m in said)
+    quiet = iter([0.0, 0.0])
+    monkeypatch.setattr(timing, "_busy_cpu_s", lambda: next(quiet))
+    assert profiling.measure_costs(tiny_pair, buckets=(8,), reps=1).busy == 0.0
+
+
+def test_a_probe_prices_every_proposer_in_seconds_and_is_never_stored(tiny_pair):
+    from engine.lab.profiling import probe_costs
+    from engine.oracles import available
+
+    t0 = time.perf_counter()
+    p = probe_costs(tiny_pair)
+    assert time.perf_counter() - t0 < 30 and p.source == "probe" and len(p.buckets) == 1
+    assert set(p.proposers) == set(available(tiny_pair)) and len(p.verify_ms[0]) == 9
+    assert p.describe() == "probed costs (no measured table yet)"
+    with pytest.raises(AssertionError, match="never stored"):
+        p.to_rows(3)
 
 
 def test_calibration_scales_each_draft_length_to_its_live_steps():

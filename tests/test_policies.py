@@ -303,6 +303,8 @@ class _ProposerCosts:
     drafted token + a verify over k + 1 tokens of 10 + per_token·k ms; no catch-up or prefill
     measured. Duck-typed: the policies ask only for these."""
 
+    source = "measured"  # not a probe: no `why` says its costs are assumed
+
     def __init__(self, per_token: float = 3.0, **draft_ms: float) -> None:
         self.per_token, self.draft_ms = per_token, {"draft": 1.0, "eagle": 0.5, "ngram": 0.0, **draft_ms}
 

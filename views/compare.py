@@ -18,9 +18,10 @@ from engine.lab import side_by_side as C
 from engine.lab.generation import encode_prompt
 from engine.lab.slots import decode_slot
 from engine.service import context_for, reach, replay_rows
-from engine.service.runs import Request, check, run_policies
+from engine.service.cost_tables import MODEL_TOLERANCE, model_checks
+from engine.service.runs import Request, check, run_policies, store_outcome
 from store import Store
-from views.common import get_pair, get_suffix_history, save_run, settings, show_error
+from views.common import get_pair, get_suffix_history, settings, show_error
 
 RESULT_KEY = "compare_result"
 WHATIF_KEY = "compare_whatif"
@@ -99,7 +100,7 @@ def run_compare(inp: dict) -> dict | None:
 
         def on_run(res: C.Result) -> None:
             wait_ph.empty()
-            saved.append(save_run(s.db, res.row, res.steps))
+            saved.append(store_outcome(s.db, res.row, res.steps))
             progress_ph.progress(len(saved) / total, text=f"{len(saved)}/{total} runs · last: {res.policy}, "
                                                           f"{res.row['n_tokens']} tokens")
 
@@ -255,7 +256,9 @@ def whatif_panel() -> None:
             t0 = time.perf_counter()
             with Store(db, read_only=True, wait_s=3.0) as s:
                 rows = replay_rows(s, policies, chosen_tiers or None, by="task", kv_tiers=chosen_kv or None)
-            st.session_state[WHATIF_KEY] = dict(rows=rows, policies=policies, seconds=time.perf_counter() - t0)
+                checks = model_checks(s, chosen_tiers or None, chosen_kv or None)
+            st.session_state[WHATIF_KEY] = dict(rows=rows, policies=policies, seconds=time.perf_counter() - t0,
+                                                checks=checks)
         except Exception as e:  # noqa: BLE001
             show_error(e)
     res = st.session_state.get(WHATIF_KEY)
@@ -285,6 +288,12 @@ def show_whatif(res: dict) -> None:
     st.plotly_chart(whatif_figure(rows), key="compare_whatif_chart")
     best = C.whatif_best(rows)
     st.caption("Best: " + "; ".join(f"{tier} {task}: {p}" for (tier, task), p in best.items()))
+    for label, agree in res.get("checks", []):  # the model against what the engine's own steps took
+        if "why" in agree:
+            st.warning(f"{label}: {agree['why']}")
+        else:
+            st.caption(f"{label}: the table ({agree['source']}) prices this setting's {agree['steps']} live steps at "
+                       f"{1 / agree['ratio']:.2f}× what they took, within ±{MODEL_TOLERANCE:.0%}")
 
 
 st.title("Compare")

@@ -96,6 +96,13 @@ class CostTable:
     # for all, fitted mostly on the draft's steps, priced the others' steps at bf16 10–36% under
     # what they took, and rakv and speckv drafted with them where a plain step was cheaper.
     proposer_factor: dict[str, list[float]] = field(default_factory=dict)
+    # How far the figures may be off: the widest relative spread (IQR / median) of any timed point,
+    # and other processes' CPU (cores on average) while it was measured. None: not recorded.
+    spread: float | None = None
+    busy: float | None = None
+    # "measured" (stored, all proposers, REPS rounds) or "probe" (a few rounds at one context,
+    # used by a run until a measured table exists, never stored).
+    source: str = "measured"
 
     def __post_init__(self) -> None:
         assert self.buckets == sorted(self.buckets) and self.buckets, self.buckets
@@ -106,6 +113,13 @@ class CostTable:
                                                           for c in self.proposer_costs.values()), self.proposer_costs
         assert set(self.proposer_factor) <= set(self.proposer_costs) and all(
             len(f) == K_MAX + 1 for f in self.proposer_factor.values()), self.proposer_factor
+
+    def describe(self) -> str:
+        """Where the figures come from, for a `why` and the pages: the source, its spread and when."""
+        if self.source == "probe":
+            return "probed costs (no measured table yet)"
+        spread = f", ±{self.spread * 50:.0f}%" if self.spread is not None else ""
+        return f"measured table{spread}"
 
     @property
     def proposers(self) -> tuple[str, ...]:
@@ -222,7 +236,8 @@ class CostTable:
                        proposer_costs={n: DraftCost(c.ms + theirs[n].ms, cat(c.cold_read_ms, theirs[n].cold_read_ms),
                                                     cat(c.warm_read_ms, theirs[n].warm_read_ms))
                                        for n, c in self.proposer_costs.items() if n in theirs},
-                       proposer_factor={n: f for n, f in self.proposer_factor.items() if n in theirs})
+                       proposer_factor={n: f for n, f in self.proposer_factor.items() if n in theirs},
+                       spread=_worst(self.spread, more.spread), busy=_worst(self.busy, more.busy))
 
     @classmethod
     def from_rows(cls, rows: list[dict]) -> "CostTable":
@@ -252,25 +267,31 @@ class CostTable:
             others[name] = DraftCost([float(r["draft_ms"]) for r in ordered], read("cold_read_ms"), read("warm_read_ms"))
             if _given(ordered[0].get("step_factor")):  # its own calibration (the draft's rows hold the others')
                 own[name] = [float(x) for x in ordered[0]["step_factor"]]
+        first = rows[0]
         return cls(buckets, [float(r["draft_ms"]) for r in rows],
                    [[float(x) for x in r["verify_ms"]] for r in rows], key,
                    [float(x) for x in factor] if _given(factor) else None,
                    per_bucket("prefill_ms"),
-                   float(rows[0]["fill_ms"]) if _given(rows[0].get("fill_ms")) else None,
-                   per_bucket("cold_read_ms"), per_bucket("warm_read_ms"), others, own)
+                   float(first["fill_ms"]) if _given(first.get("fill_ms")) else None,
+                   per_bucket("cold_read_ms"), per_bucket("warm_read_ms"), others, own,
+                   float(first["spread"]) if _given(first.get("spread")) else None,
+                   float(first["busy"]) if _given(first.get("busy")) else None)
 
     def to_rows(self, reps: int) -> list[dict]:
         """The store's `costs` rows: the draft's (with the target's costs) per bucket, then each
         other proposer's drafting costs per bucket (the target's columns NULL there)."""
         none = [None] * len(self.buckets)
+        assert self.source == "measured", "a probe's costs are the run's own, never stored"
+        quality = dict(spread=self.spread, busy=self.busy)
         rows = [dict(self.key, ctx_bucket=b, proposer="draft", draft_ms=d, verify_ms=v, reps=reps,
-                     step_factor=self.step_factor, prefill_ms=p, fill_ms=self.fill_ms, cold_read_ms=c, warm_read_ms=w)
+                     step_factor=self.step_factor, prefill_ms=p, fill_ms=self.fill_ms, cold_read_ms=c, warm_read_ms=w,
+                     **quality)
                 for b, d, v, p, c, w in zip(self.buckets, self.draft_ms, self.verify_ms, self.prefill_ms or none,
                                             self.cold_read_ms or none, self.warm_read_ms or none)]
         for name, d in self.proposer_costs.items():
             rows += [dict(self.key, ctx_bucket=b, proposer=name, draft_ms=ms, verify_ms=None, reps=reps,
                           step_factor=self.proposer_factor.get(name), prefill_ms=None, fill_ms=None, cold_read_ms=c,
-                          warm_read_ms=w)
+                          warm_read_ms=w, **quality)
                      for b, ms, c, w in zip(self.buckets, d.ms, d.cold_read_ms or none, d.warm_read_ms or none)]
         return rows
 
@@ -278,6 +299,41 @@ class CostTable:
 def _given(value) -> bool:
     """A stored value, not a NULL (pandas reads NULL as None or NaN)."""
     return value is not None and not (isinstance(value, float) and math.isnan(value))
+
+
+def _worst(a: float | None, b: float | None) -> float | None:
+    return None if a is None and b is None else max(x for x in (a, b) if x is not None)
+
+
+def _rising(xs: list[float] | None) -> list[float] | None:
+    """Each value at least the one before it (a running maximum)."""
+    if xs is None:
+        return None
+    out, top = [], float("-inf")
+    for x in xs:
+        top = max(top, x)
+        out.append(top)
+    return out
+
+
+def monotone(table: CostTable) -> CostTable:
+    """The table with every cost non-decreasing in the rows a verify reads (k) and in the context:
+    a read of more rows or over a longer context never costs less. Medians of a noisy round can
+    invert two neighbours (a busy spell made a 5-token verify cost a tenth of a 4-token one); a
+    controller reading such a table drafts 5 where it should not. Each value is raised to the
+    largest before it (bench figures: a raise beyond the spread is a noisy point, re-timed by
+    measure_costs before this)."""
+    by_k = [_rising(row) for row in table.verify_ms]  # in k, per bucket
+    cols = [_rising([row[k] for row in by_k]) for k in range(K_MAX + 1)]  # in context, per k
+    verify = [[cols[k][b] for k in range(K_MAX + 1)] for b in range(len(table.buckets))]
+    return replace(table, verify_ms=verify, draft_ms=_rising(table.draft_ms), prefill_ms=_rising(table.prefill_ms),
+                   cold_read_ms=_rising(table.cold_read_ms), warm_read_ms=_rising(table.warm_read_ms),
+                   proposer_costs={n: DraftCost(_rising(c.ms), _rising(c.cold_read_ms), _rising(c.warm_read_ms))
+                                   for n, c in table.proposer_costs.items()})
+
+
+def is_monotone(table: CostTable) -> bool:
+    return monotone(table) == table
 
 
 def calibrate(table: CostTable, live: Iterable[tuple]) -> CostTable:

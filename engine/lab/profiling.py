@@ -11,18 +11,18 @@ bit alike, so any policy replays over a trace exactly (engine/lab/whatif.py)."""
 from __future__ import annotations
 
 import itertools
-import statistics
-import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Callable, Iterable
 
+import numpy as np
 import torch
 
 from engine.base.helpers import median_ms
-from engine.decode.costs import CONTEXT_BUCKETS, REPS, WARMUP, CostTable, DraftCost, buckets_for, reps_at
+from engine.decode.costs import CONTEXT_BUCKETS, REPS, WARMUP, CostTable, DraftCost, buckets_for, monotone, reps_at
 from engine.decode.policies import K_MAX, make_policy
 from engine.decode.records import UNBOUNDED, DraftToken
 from engine.lab.generation import GenConfig, Generation, encode_prompt
+from engine.lab.timing import SPREAD_LIMIT, MachineBusy, Neighbours, busy_limit, timed_medians
 from engine.oracles import PROPOSERS, available, build, draft_head
 from engine.oracles.model import DraftModelProposer, TargetVerifier, draft_read, target_reads
 from engine.oracles.sampling import Sampler, warp
@@ -122,7 +122,10 @@ WARM_STEPS = 2
 LONG_REPS = 3
 
 
-@torch.inference_mode()
+# Tries of a whole cost measurement on a machine other processes keep busy, before it is refused.
+BUSY_TRIES = 2
+
+
 def measure_costs(pair: ModelPair, buckets: tuple[int, ...] = CONTEXT_BUCKETS, reps: int = REPS,
                   progress: Callable[[str], None] = lambda m: None, kv_tier: str = "native",
                   proposers: tuple[str, ...] | None = None) -> CostTable:
@@ -130,11 +133,27 @@ def measure_costs(pair: ModelPair, buckets: tuple[int, ...] = CONTEXT_BUCKETS, r
     forward, its law and signals), a verify of k = 0..8 drafted tokens (the target forward under
     the pair's verify mode, acceptance, roll-back), the target's prefill and the draft's catch-up
     reads (the bucket's tokens into an empty cache; K_MAX tokens after them); and filling a cache
-    from the prefix cache, per position. Medians after warm-up; the prefill and the cold read (a
-    whole bucket each) in LONG_REPS of the rounds.
-    Each other proposer (`proposers`, default: all the pair has) is timed in the same turns as a
-    live run drives it (`_Driven`). The target's cache is at `kv_tier`: its reads dequantize the
-    context (the draft's stays native)."""
+    from the prefix cache, per position. Medians after warm-up (engine/lab/timing.py: disturbed
+    calls timed again, rounds added where they disagree); the prefill and the cold read (a whole
+    bucket each) in LONG_REPS of the rounds. Each other proposer (`proposers`, default: all the
+    pair has) is timed in the same turns as a live run drives it (`_Driven`). The target's cache
+    is at `kv_tier`: its reads dequantize the context (the draft's stays native).
+    The table is made monotone (costs.monotone) and stamped with its spread and with other
+    processes' CPU use while it ran; measured again when that was over busy_limit(), and refused
+    (MachineBusy) when it stays so."""
+    for attempt in range(BUSY_TRIES):
+        watch = Neighbours()
+        table = _measure_costs(pair, buckets, reps, progress, kv_tier, proposers)
+        cores = watch.cores()
+        if cores is None or cores <= busy_limit():
+            return replace(table, busy=cores)
+        progress(f"other processes used {cores:.2f} of a core while the costs were measured: measuring again")
+    raise MachineBusy("the cost table", cores)
+
+
+@torch.inference_mode()
+def _measure_costs(pair: ModelPair, buckets: tuple[int, ...], reps: int, progress: Callable[[str], None],
+                   kv_tier: str, proposers: tuple[str, ...] | None) -> CostTable:
     dev = pair.device
     buckets = buckets_for(None, pair.max_context, buckets)
     others = [n for n in (proposers or available(pair)) if n != "draft"]
@@ -143,6 +162,7 @@ def measure_costs(pair: ModelPair, buckets: tuple[int, ...] = CONTEXT_BUCKETS, r
     sync = lambda: sync_device(dev)  # noqa: E731
     draft_ms, verify_ms, prefill_ms, cold_read_ms, warm_read_ms = [], [], [], [], []
     other_ms: dict[str, list[list[float]]] = {n: [] for n in others}  # per bucket: (cold, draft, warm) propose ms
+    spreads: list[float] = []
     reads = target_reads(pair, kv_tier)
     # The draft as a run's proposer reads it: through the pair's default head (the embedded draft's
     # 8,192-row sub-head; timed with the full 49,152 rows, a drafted token cost twice what it does live).
@@ -154,32 +174,30 @@ def measure_costs(pair: ModelPair, buckets: tuple[int, ...] = CONTEXT_BUCKETS, r
 
     for b in buckets:
         progress(f"costs at context {b}")
-        ids = torch.randint(0, pair.vocab_size, (b + 1 + K_MAX,), generator=gen).tolist()
-        proposer = DraftModelProposer(pair, ids[:b], sampler, head=head)
-        verifier = TargetVerifier(pair, ids[:b], sampler, kv_tier=kv_tier)
-        verifier.prefill()
-        verifier.rewind(b + 1)
-        proposer.update(0, ids[b : b + 1])
-
-        def draft_one() -> None:
-            proposer.propose(1, _always)
-            proposer.rewind(b, ids[b : b + 1])
+        rig = _Bucket(pair, b, gen, sampler, kv_tier, head)
+        ids, proposer, verifier, draft_one, verify = rig.ids, rig.proposer, rig.verifier, rig.draft_one, rig.verify
 
         def warm_read() -> None:  # K_MAX tokens after the b-token cache, then back
             draft_read(pair, ids[b + 1 :], proposer.cache, head)
             crop_to(proposer.cache, b)
 
-        def verify(k: int) -> None:
-            verifier.verify([DraftToken(x, 0.0, 0.0) for x in ids[b + 1 : b + 1 + k]])
-            verifier.rewind(b + 1)
-
         driven = [_Driven(pair, name, ids[:b], sampler, kv_tier) for name in others]
         # In turns, so that a slow spell of the machine cannot make one k look cheaper than another.
-        timed = [(draft_one, None), *((lambda k=k: verify(k), None) for k in range(K_MAX + 1)),
+        verifies = [(lambda k=k: verify(k), None) for k in range(K_MAX + 1)]
+        timed = [(draft_one, None), *verifies,
                  (lambda: prefill(ids[:b]), None), (lambda: draft_read(pair, ids[:b], None, head), None), (warm_read, None)]
         for d in driven:  # a fresh one's first draft, one after a verify, one after WARM_STEPS plain steps
             timed += [(d.propose, d.step), (d.propose, lambda d=d: d.step(WARM_STEPS)), (d.propose, d.fresh)]
-        ms = _medians_ms(timed, reps_at(b, reps), WARMUP, sync, sparse={K_MAX + 2, K_MAX + 3})
+        n = reps_at(b, reps)
+        few = long_rounds(n, WARMUP)
+        t = timed_medians(timed, n, WARMUP, sync, rounds_of=lambda i: few if i in (K_MAX + 2, K_MAX + 3) else None)
+        ms = t.medians
+        if _inverted(ms[1 : K_MAX + 2], t.spreads[1 : K_MAX + 2]):  # a noisy point: the verifies once more
+            again = timed_medians(verifies, n, 1, sync)
+            ms[1 : K_MAX + 2], t.spreads[1 : K_MAX + 2] = again.medians, again.spreads
+        # The table's spread is its draft's and verifies' (what a γ is chosen on); a lookup's 10 µs
+        # or a head's step with its catch-up folded in vary widely at no cost that matters.
+        spreads.append(max(t.spreads[: K_MAX + 2]))
         draft_ms.append(ms[0])
         verify_ms.append(ms[1 : K_MAX + 2])
         prefill_ms.append(ms[K_MAX + 2])
@@ -191,9 +209,73 @@ def measure_costs(pair: ModelPair, buckets: tuple[int, ...] = CONTEXT_BUCKETS, r
     fill_ms = median_ms(lambda: fill(new_cache(pair.target, kv_tier), stored, buckets[-1]), reps, WARMUP, sync) / buckets[-1]
     key = dict(device=device_name(dev), target=pair.target_name, draft=pair.draft_name,
                target_tier=pair.target_tier, draft_tier=pair.draft_tier, kv_tier=kv_tier)
-    return CostTable(list(buckets), draft_ms, verify_ms, key, prefill_ms=prefill_ms, fill_ms=fill_ms,
-                     cold_read_ms=cold_read_ms, warm_read_ms=warm_read_ms,
-                     proposer_costs={n: _draft_cost(per_bucket) for n, per_bucket in other_ms.items()})
+    return monotone(CostTable(list(buckets), draft_ms, verify_ms, key, prefill_ms=prefill_ms, fill_ms=fill_ms,
+                              cold_read_ms=cold_read_ms, warm_read_ms=warm_read_ms,
+                              proposer_costs={n: _draft_cost(per_bucket) for n, per_bucket in other_ms.items()},
+                              spread=max(spreads)))
+
+
+# A probe's verify lengths (the rest interpolated) and rounds: about two seconds for the embedded
+# fp32 pair on 2 cores, against a minute for a measured table of two contexts.
+PROBE_KS = (0, 1, 2, 4, 8)
+PROBE_REPS = 3
+
+
+@torch.inference_mode()
+def probe_costs(pair: ModelPair, kv_tier: str = "native") -> CostTable:
+    """A first cost table in seconds, for a run that must not wait for the measured one: at the
+    smallest context bucket only, one drafted token of each proposer and verifies of PROBE_KS rows
+    (the k between them interpolated), PROBE_REPS rounds. Marked `source="probe"`: never stored; a
+    run reading it says so in its `why`, and the workbench measures the real table after the run."""
+    dev = pair.device
+    b = buckets_for(None, pair.max_context)[0]
+    gen = torch.Generator().manual_seed(0)
+    sampler = Sampler(0.0, 1.0, None, dev)
+    rig = _Bucket(pair, b, gen, sampler, kv_tier, draft_head(pair))
+    ids, draft_one, verify = rig.ids, rig.draft_one, rig.verify
+    others = [n for n in available(pair) if n != "draft"]
+    driven = [_Driven(pair, name, ids[:b], sampler, kv_tier) for name in others]
+    timed = [(draft_one, None), *((lambda k=k: verify(k), None) for k in PROBE_KS), *((d.propose, d.step) for d in driven)]
+    t = timed_medians(timed, PROBE_REPS, 1, lambda: sync_device(dev), spread_limit=float("inf"))
+    at = dict(zip(PROBE_KS, t.medians[1 : 1 + len(PROBE_KS)]))
+    verify_ms = [float(np.interp(k, list(at), list(at.values()))) for k in range(K_MAX + 1)]
+    key = dict(device=device_name(dev), target=pair.target_name, draft=pair.draft_name,
+               target_tier=pair.target_tier, draft_tier=pair.draft_tier, kv_tier=kv_tier)
+    drafts = t.medians[1 + len(PROBE_KS):]
+    return monotone(CostTable([b], [t.medians[0]], [verify_ms], key, spread=t.spread, source="probe",
+                              proposer_costs={n: DraftCost([ms]) for n, ms in zip(others, drafts)}))
+
+
+class _Bucket:
+    """One context bucket's timing rig: random ids (b of context, the newest token, K_MAX to
+    draft or verify), the draft and the target each holding the b-token cache, and the two timed
+    actions, each leaving the caches as it found them."""
+
+    def __init__(self, pair: ModelPair, b: int, gen: torch.Generator, sampler: Sampler, kv_tier: str, head) -> None:
+        self.b = b
+        self.ids = torch.randint(0, pair.vocab_size, (b + 1 + K_MAX,), generator=gen).tolist()
+        self.proposer = DraftModelProposer(pair, self.ids[:b], sampler, head=head)
+        self.verifier = TargetVerifier(pair, self.ids[:b], sampler, kv_tier=kv_tier)
+        self.verifier.prefill()
+        self.verifier.rewind(b + 1)
+        self.proposer.update(0, self.ids[b : b + 1])
+
+    def draft_one(self) -> None:
+        self.proposer.propose(1, _always)
+        self.proposer.rewind(self.b, self.ids[self.b : self.b + 1])
+
+    def verify(self, k: int) -> None:
+        self.verifier.verify([DraftToken(x, 0.0, 0.0) for x in self.ids[self.b + 1 : self.b + 1 + k]])
+        self.verifier.rewind(self.b + 1)
+
+
+def _inverted(verify_ms: list[float], spreads: list[float]) -> bool:
+    """A verify of more rows measured cheaper than one of fewer by more than both points' spread:
+    one of them is noise (a read of k + 1 rows never costs less than one of k)."""
+    for k in range(1, len(verify_ms)):
+        if verify_ms[k] < verify_ms[k - 1] * (1 - max(spreads[k], spreads[k - 1], SPREAD_LIMIT)):
+            return True
+    return False
 
 
 class _Driven:
@@ -239,28 +321,6 @@ def _draft_cost(per_bucket: list[list[float]]) -> DraftCost:
     per token what WARM_STEPS plain steps before a draft add."""
     return DraftCost([d for _, d, _ in per_bucket], [max(c - d, 0.0) for c, d, _ in per_bucket],
                      [max(w - d, 0.0) / WARM_STEPS for _, d, w in per_bucket])
-
-
-def _medians_ms(timed: list[tuple[Callable[[], object], Callable[[], object] | None]], reps: int, warmup: int,
-                sync: Callable[[], None], sparse: set[int] | frozenset[int] = frozenset()) -> list[float]:
-    """common.medians_ms over (timed, then untimed) pairs: each round calls every pair in turn,
-    timing only the first function (the second sets up the next call: a proposer's verify). The
-    pairs at indices in `sparse` run in `long_rounds` alone."""
-    times: list[list[float]] = [[] for _ in timed]
-    few = long_rounds(reps, warmup)
-    for r in range(warmup + reps):
-        for i, ((fn, then), ts) in enumerate(zip(timed, times)):
-            if i in sparse and r not in few:
-                continue
-            sync()
-            t0 = time.perf_counter()
-            fn()
-            sync()
-            if r >= warmup:
-                ts.append((time.perf_counter() - t0) * 1e3)
-            if then is not None:
-                then()
-    return [statistics.median(ts) for ts in times]
 
 
 def long_rounds(reps: int, warmup: int, n: int = LONG_REPS) -> set[int]:

@@ -15,6 +15,7 @@ and `speclab_eagle.json` (which target it is for, how it was made, what it measu
 from __future__ import annotations
 
 import json
+import threading
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -236,14 +237,28 @@ def label(path: str | Path) -> str:
 class FeatureTap:
     """Keeps the output of the target's final norm (the hidden states its LM head reads) from the
     last forward: [S, H] for batch 1. A forward hook, so every path through the model (prefill,
-    plain step, batched or row-by-row verify) feeds it the same way."""
+    plain step, batched or row-by-row verify) feeds it the same way. Per thread: the workbench
+    shares one loaded pair between sessions and a background sweep, and a forward in another
+    thread must never stand in for the one this thread just ran (a sweep's 3-row verify would be
+    read as a live run's 256-token prefill features)."""
 
     def __init__(self, target: torch.nn.Module) -> None:
-        self.last: torch.Tensor | None = None
+        self._local = threading.local()
         self._handle = target.get_decoder().norm.register_forward_hook(self._keep)
 
+    @property
+    def last(self) -> torch.Tensor | None:
+        return getattr(self._local, "last", None)
+
+    def __getstate__(self) -> dict:  # a copied model (deepcopy) gets a tap of its own, empty
+        return {k: v for k, v in self.__dict__.items() if k != "_local"}
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+        self._local = threading.local()
+
     def _keep(self, module, args, output) -> None:
-        self.last = output[0].detach()  # [S, H] of batch row 0
+        self._local.last = output[0].detach()  # [S, H] of batch row 0
 
     def close(self) -> None:
         self._handle.remove()

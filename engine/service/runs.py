@@ -13,7 +13,8 @@ import os
 from dataclasses import asdict, dataclass, replace
 from typing import Any, Callable, Collection, Sequence
 
-from engine.decode.policies import DEFAULT_POLICY, make_policy, parse_policy
+from engine.base.helpers import one_line
+from engine.decode.policies import DEFAULT_POLICY, NEEDS_CONTEXT, make_policy, parse_policy
 from engine.lab.side_by_side import Result, check_policies, shared_seed
 from engine.lab.slots import decode_slot
 from engine.oracles.suffix import SUFFIX_BUDGET, SuffixHistory, check_budget, prompt_key
@@ -61,24 +62,32 @@ class Kept:
 
 
 def check(req: Request) -> None:
-    """Everything about a request that can fail without a model, in milliseconds."""
-    parse_policy(req.policy)
+    """Everything about a request that can fail without a model, in milliseconds: the policy's
+    spec (made, where it needs no context: `fixed:99` is refused here, not in a decode thread)
+    and the generation settings."""
+    name, _ = parse_policy(req.policy)
+    if name not in NEEDS_CONTEXT:
+        make_policy(req.policy)
     req.config()
 
 
 def open_generation(pair, req: Request, db: str | None = None, context: Any = AUTO, prefix=None,
-                    say: Callable[[str], None] = lambda m: None, prompt_ids: list[int] | None = None, history=None):
+                    say: Callable[[str], None] = lambda m: None, prompt_ids: list[int] | None = None, history=None,
+                    measure: bool = True):
     """The request's Generation, ready to stream or run: the prompt encoded (or `prompt_ids`, the
     same prompt encoded once by a benchmark that hands the ids to a peer too), the policy made with
-    its context (`context`, or read from `db` for the policies that weigh costs). `history`: the
-    cross-request SuffixHistory the suffix proposer reads (a live one is fed the output at the end)."""
+    its context (`context`, or read from `db` for the policies that weigh costs; `measure` False:
+    a missing cost table is probed in seconds instead of measured, see cost_tables.cost_table).
+    `history`: the cross-request SuffixHistory the suffix proposer reads (a live one is fed the
+    output at the end)."""
     from engine.lab.generation import Generation, encode_prompt
 
     parse_policy(req.policy)  # check(req), keeping the config it makes
     cfg = req.config()
     ids = prompt_ids if prompt_ids is not None else encode_prompt(pair.tokenizer, req.prompt, req.chat)
     if context is AUTO:
-        context = context_for(db or "", pair, req.policy, say, req.kv_tier, reach(len(ids), cfg.max_new_tokens))
+        context = context_for(db or "", pair, req.policy, say, req.kv_tier, reach(len(ids), cfg.max_new_tokens),
+                              measure)
     return Generation(pair, ids, make_policy(req.policy, context), cfg, prefix, history)
 
 
@@ -211,6 +220,24 @@ def store_run(db: str, row: dict, steps: list[dict], wait_s: float = 10.0) -> tu
         if st.staged:
             return run_id, True, st.message
         return run_id, False, f"stored as run {run_id} in {db}" + (f" ({st.message})" if st.message else "")
+
+
+@dataclass
+class Stored:
+    """Where a run went, for a page: its id (None when not stored), a level and one line."""
+
+    run_id: str | None
+    level: str  # "success" | "warning" | "error"
+    message: str
+
+
+def store_outcome(db: str, row: dict, steps: list[dict]) -> Stored:
+    """`store_run` for a page: the outcome as one line, a failure included (never a traceback)."""
+    try:
+        run_id, staged, note = store_run(db, row, steps, wait_s=3.0)
+        return Stored(run_id, "warning" if staged else "success", one_line(note[:1].upper() + note[1:]))
+    except Exception as e:  # noqa: BLE001 - shown as one line, never a traceback
+        return Stored(None, "error", one_line(e))
 
 
 def latest_live_run(db: str) -> dict | None:

@@ -160,6 +160,11 @@ def and_also(text: str) -> str:
     return f"; {text}" if text else ""
 
 
+def assumed(costs: CostTable | None) -> str:
+    """What a choice assumed, as a last clause of its `why`: probed costs, until a table is measured."""
+    return "; costs probed, no measured table yet" if costs is not None and costs.source == "probe" else ""
+
+
 class RakvPolicy(BasePolicy):
     def __init__(self, costs: CostTable, alpha0: float = ALPHA0, name: str | None = None,
                  priors: Mapping[str, float] | None = None, proposers: tuple[str, ...] | None = None) -> None:
@@ -179,6 +184,11 @@ class RakvPolicy(BasePolicy):
         return self.priors.get(proposer, self.alpha0)
 
     def choose(self, state: DecodeState) -> Action:
+        action = self._choose(state)
+        self.why += assumed(self.costs)
+        return action
+
+    def _choose(self, state: DecodeState) -> Action:
         names = proposers_for(self, state)
         alphas = {p: blended(*acceptance(state, p), self.prior(p)) for p in names}
         plain_ms = self.costs.step_ms(0, state.context_len)

@@ -34,6 +34,7 @@ from engine.decode.policies.rakv import (
     PRIORS,
     acceptance,
     and_also,
+    assumed,
     blended,
     choose_probe,
     grid_for,
@@ -71,6 +72,11 @@ class SpeckvPolicy(BasePolicy):
         self._rate: float | None = None  # the MLP's rate for the chosen draft length (None: a probe, another proposer)
 
     def choose(self, state: DecodeState) -> Action:
+        action = self._choose(state)
+        self.why += assumed(self.costs)
+        return action
+
+    def _choose(self, state: DecodeState) -> Action:
         if self.objective == "paper":
             k, self.last_expected, _ = self._paper(state)
             self.why = f"draft γ {k}: predicted {self.last_expected:.2f} tokens/step (the paper's rule, no cost)"
