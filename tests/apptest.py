@@ -31,6 +31,17 @@ def _errors(at: AppTest) -> list[str]:
     return [e.value for e in at.error]
 
 
+def press_generate(at: AppTest, timeout: float = 60) -> AppTest:
+    """Generate on the Live page, then, once its run (a thread of its own: engine/service/live_runs.py)
+    has ended, the page run again, as its poll would: the result is drawn."""
+    at.button(key="live_generate").click().run(timeout=timeout)
+    run = at.session_state["live_run"] if "live_run" in at.session_state else None
+    if run is not None:
+        run.wait(timeout)
+        at.run(timeout=timeout)
+    return at
+
+
 def open_page(path: str) -> AppTest:
     """The app switched to one of its pages (`views/….py`), run once."""
     return AppTest.from_file(str(APP), default_timeout=120).switch_page(path).run()

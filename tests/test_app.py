@@ -7,7 +7,7 @@ import time
 import pytest
 from streamlit.testing.v1 import AppTest
 
-from apptest import APP, _app, _errors, open_page, store_costs_and_traces  # noqa: F401 - the fixture app_env comes from conftest
+from apptest import APP, _app, _errors, open_page, press_generate, store_costs_and_traces  # noqa: F401 - the fixture app_env comes from conftest
 from store import Store
 
 
@@ -28,7 +28,7 @@ def test_generate_streams_summarises_and_stores(app_env):
     at.text_area(key="live_prompt").set_value("Hello, how are you?")
     at.selectbox(key="live_policy").set_value("fixed:4")
     at.number_input(key="live_max_new").set_value(16)
-    at.button(key="live_generate").click().run(timeout=60)
+    press_generate(at)
     assert not at.exception
     assert not _errors(at), _errors(at)
 
@@ -37,7 +37,7 @@ def test_generate_streams_summarises_and_stores(app_env):
                             "Acceptance rate", "Prefix reuse", "Stop reason"}
     assert metrics["Prefix reuse"] in {"miss", "partial", "exact"}  # reuse is on by default
     assert float(metrics["Tokens/s"]) > 0
-    assert metrics["Stop reason"] in {"eos", "max_new_tokens", "context"}
+    assert metrics["Stop reason"] in {"EOS", "max tokens", "context full"}
     assert len(at.get("plotly_chart")) == 1
 
     saved = [s.value for s in at.success]
@@ -74,27 +74,38 @@ def test_generate_streams_summarises_and_stores(app_env):
 
 
 def test_cost_aware_policies_run_live_and_say_what_they_miss(app_env):
+    from engine.service.cost_jobs import MEASURER
+
     at = _app()
-    at.text_input(key="live_policy_spec").set_value("rakv")  # measures the cost table once, stores it
+    at.text_input(key="live_policy_spec").set_value("rakv")  # a fresh database: no cost table yet
     at.number_input(key="live_max_new").set_value(12)
-    at.button(key="live_generate").click().run(timeout=120)
+    press_generate(at, timeout=120)
     assert not at.exception and not _errors(at), _errors(at)
-    with Store(app_env) as store:
-        # The buckets a 12-token run reaches (64 and 256 tokens, two for a slope), for the draft
-        # model, the n-gram lookup and the suffix counts
-        costs = store.costs()
-        assert list(store.runs()["policy"]) == ["rakv"] and len(costs) == 6 and set(costs["ctx_bucket"]) == {64, 256}
-        assert sorted(costs["proposer"]) == ["draft"] * 2 + ["ngram"] * 2 + ["suffix"] * 2
     why = at.dataframe[0].value["why"].tolist()  # every choice says why, in one line
     assert why[0] == "prefill" and all(w and "\n" not in w for w in why)
+    # It did not wait for a table: it read probed costs and says so at every step.
+    assert all(w.endswith("costs probed, no measured table yet") for w in why[1:]), why
     # Each names the proposer it drafts with (rakv chooses among all the pair has), or plain.
     said = ("draft γ", "ngram γ", "suffix γ", "probe draft", "probe ngram", "probe suffix", "plain")
     assert all(w.startswith(said) for w in why[1:]), why
     proposers = at.dataframe[0].value["proposer"].tolist()
     assert all(p in ("", "draft", "ngram", "suffix") for p in proposers) and all(
         w.startswith(p) for p, w in zip(proposers[1:], why[1:]) if p), (proposers, why)
+    # After the run the table is measured in the background and stored: the buckets a 12-token run
+    # reaches (64 and 256 tokens, two for a slope), for the draft model, the n-gram lookup and the suffix counts.
+    status = MEASURER.wait(120)
+    assert status.state == "finished", status
+    with Store(app_env) as store:
+        costs = store.costs()
+        assert list(store.runs()["policy"]) == ["rakv"] and len(costs) == 6 and set(costs["ctx_bucket"]) == {64, 256}
+        assert sorted(costs["proposer"]) == ["draft"] * 2 + ["ngram"] * 2 + ["suffix"] * 2
+    at.run()
+    assert any("cost table measured for" in c.value for c in at.caption)
+    press_generate(at)  # the next run reads the stored table
+    why = at.dataframe[0].value["why"].tolist()
+    assert not any("probed" in w for w in why), why
     at.text_input(key="live_policy_spec").set_value("speckv")  # no controller trained yet
-    at.button(key="live_generate").click().run(timeout=60)
+    press_generate(at)
     errors = _errors(at)
     assert len(errors) == 1 and "python -m engine retrain" in errors[0] and "\n" not in errors[0]
 
@@ -107,7 +118,7 @@ def test_a_policy_with_a_named_proposer_drafts_with_it(app_env):
     at.text_area(key="live_prompt").set_value("abc abc abc abc abc")  # something to look up
     at.selectbox(key="live_policy").set_value("fixed:4@ngram")
     at.number_input(key="live_max_new").set_value(12)
-    at.button(key="live_generate").click().run(timeout=60)
+    press_generate(at)
     assert not at.exception and not _errors(at), _errors(at)
     table = at.dataframe[0].value
     assert set(table["proposer"]) <= {"", "ngram"}
@@ -149,9 +160,13 @@ def test_engine_errors_are_one_line(app_env, monkeypatch):
     assert len(errors) == 1 and "\n" not in errors[0] and "/nonexistent/model" in errors[0]
 
 
-def test_replay_page_shows_policies_side_by_side_and_retrains(app_env, tiny_pair):
+def test_replay_page_shows_policies_side_by_side_and_retrains(app_env, tiny_pair, monkeypatch):
+    import engine.training.retrain as T
     from engine.service.runs import Request, generate
 
+    # The compare → activate flow, whatever the tiny random pair's controller scores (the verdict
+    # that holds a worse version back has its own tests: tests/test_app_retrain.py).
+    monkeypatch.setattr(T, "shortfalls", lambda report: [])
     store_costs_and_traces(app_env, tiny_pair)
     at = open_page("views/retrain.py")
     assert not at.exception and not _errors(at)
@@ -211,7 +226,7 @@ def test_two_sessions_generating_at_once_on_a_fresh_database_keep_both_runs(app_
         # recursion depth mismatch" (python/cpython#106905). The decodes still overlap: each takes
         # seconds, so the second finds the decode slot taken.
         time.sleep(delay)
-        at.button(key="live_generate").click().run(timeout=120)
+        press_generate(at, timeout=120)
 
     threads = [threading.Thread(target=press, args=(at, 0.5 * i)) for i, at in enumerate(sessions)]
     for t in threads:
@@ -223,3 +238,19 @@ def test_two_sessions_generating_at_once_on_a_fresh_database_keep_both_runs(app_
         assert [s.value for s in at.success][0].startswith("Stored as run ")
     with Store(app_env, read_only=True) as s:
         assert sorted(s.runs()["prompt"]) == ["Hello number 0", "Hello number 1"]
+
+
+def test_the_page_says_which_policy_runs_and_why_a_bad_length_is_refused(app_env):
+    at = _app()
+    at.number_input(key="live_max_new").set_value(0)
+    at.button(key="live_generate").click().run()
+    errors = _errors(at)
+    assert errors == ["max new tokens must be a whole number from 1 to 8192, got 0"], errors
+    at.number_input(key="live_max_new").set_value(8)
+    at.text_input(key="live_policy_spec").set_value("fixed:2")  # the box still says rakv: the typed spec runs
+    press_generate(at)
+    assert not _errors(at), _errors(at)
+    caption = [c.value for c in at.caption if "fixed:2" in c.value]
+    assert caption and "greedy" in caption[0] and "seed None" not in caption[0], [c.value for c in at.caption]
+    with Store(app_env) as store:
+        assert list(store.runs()["policy"]) == ["fixed:2"]

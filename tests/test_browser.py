@@ -6,6 +6,7 @@ comparison, a short profile sweep, a retrain and an export. Screenshots go to do
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 
 import pytest
@@ -63,6 +64,62 @@ def _no_error(page) -> None:
     assert not alerts, alerts
 
 
+# The issue's bars for a newcomer's first Generate here, with nothing else running (printed; the
+# assertions allow twice as much: another test file may run beside this one under `make test`).
+FIRST_TOKENS_S, FIRST_RUN_S = 15, 60
+# The streamed output (the page's one st.text) once it holds more than the "…" placeholder.
+STREAMED = """() => [...document.querySelectorAll('[data-testid="stText"]')].some(e => e.innerText.trim().length > 1)"""
+
+
+def _stored_after(page, before: str, timeout_s: float) -> None:
+    page.wait_for_function(f"(before) => {{ const t = ({B.STORED_LINE})(); return t && t !== before; }}",
+                           arg=before, timeout=timeout_s * 1e3, polling=B.POLL_MS)
+
+
+def test_a_newcomers_first_generate_starts_at_once_and_stop_stops(session):
+    """A fresh database, the page's defaults (rakv, fp32): the first tokens show within seconds (the
+    policy reads probed costs; the table is measured after the run, in the background), Stop ends a
+    long run within a step and the run is shown and stored, and the KV page shows its controls."""
+    page, url, _ = session
+    page.goto(url, wait_until="networkidle")
+    page.get_by_role("heading", name="Live decode").wait_for(timeout=TIMEOUT_MS)
+    t0 = time.monotonic()
+    page.get_by_role("button", name="Generate").click()
+    page.wait_for_function(STREAMED, timeout=TIMEOUT_MS, polling=B.POLL_MS)
+    first = time.monotonic() - t0
+    _stored_after(page, "", TIMEOUT_MS / 1e3)
+    done = time.monotonic() - t0
+    B.wait_idle(page, TIMEOUT_MS / 1e3)
+    _no_error(page)
+    shown = B.metrics(page)
+    print(f"\nfirst Generate on a fresh database (rakv, fp32, 64 tokens): first tokens shown after {first:.1f} s, "
+          f"run shown and stored after {done:.1f} s ({shown.get('Tokens/s')} tok/s)")
+    assert first <= 2 * FIRST_TOKENS_S and done <= 2 * FIRST_RUN_S, (first, done)
+    # The table is measured after the run; the next runs read it. Waiting here keeps that
+    # measurement out of the timed comparisons that follow.
+    page.get_by_text("cost table measured for", exact=False).first.wait_for(timeout=TIMEOUT_MS)
+    # Stop: a long run, stopped after its first steps, is shown and stored as stopped.
+    page.get_by_label("…or any policy spec").fill("fixed:1")
+    page.get_by_label("Max new tokens").fill("200")
+    before = page.evaluate(B.STORED_LINE)
+    page.get_by_role("button", name="Generate").click()
+    page.get_by_text("step 3 ", exact=False).first.wait_for(timeout=TIMEOUT_MS)
+    t_stop = time.monotonic()
+    page.get_by_test_id("stButton").get_by_role("button", name="Stop").click()  # the page's, not the header's
+    _stored_after(page, before, TIMEOUT_MS / 1e3)
+    stopped = time.monotonic() - t_stop
+    B.wait_idle(page, TIMEOUT_MS / 1e3)
+    _no_error(page)
+    shown = B.metrics(page)
+    print(f"Stop: the run shown and stored {stopped:.1f} s after the click")
+    assert shown["Stop reason"] == "stopped", shown
+    # The KV page shows its controls before any measurement.
+    _go(page, url, "KV & prefetch")
+    _no_error(page)
+    page.get_by_role("button").first.wait_for(timeout=CLICK_MS)
+    assert page.locator('[data-testid="stSelectbox"], [data-testid="stNumberInput"]').count() >= 2
+
+
 # The generation both sides decode: a fixed γ, so that both make the same steps. `rakv` reads
 # the acceptance of the runs stored so far, so the CLI's runs change what the page's run decides
 # (one measurement compared 1.00 tokens/step in the page with 2.86 in the CLI).
@@ -83,7 +140,7 @@ def test_live_decode_in_the_browser_keeps_up_with_the_cli(session):
     page.wait_for_timeout(2000)  # plotly draws after the element appears
     page.screenshot(path=str(SHOTS / "live.png"), full_page=True)
     assert r["ratio"] >= FLOOR, r
-    assert shown["Stop reason"] in {"eos", "max_new_tokens"}
+    assert shown["Stop reason"] in {"EOS", "max tokens"}
 
 
 def test_compare_two_policies(session):
@@ -118,10 +175,17 @@ def test_retrain_from_the_sweeps_traces(session):
     page, url, _ = session
     _go(page, url, "Replay & retrain")
     page.get_by_role("button", name="Train").click()
-    page.get_by_role("button", name="Activate").first.wait_for(timeout=TIMEOUT_MS)
+    # A version no worse than what it would replace is offered at once; a worse one (a short sweep's
+    # few traces often give one) only behind a tick that says why.
+    offered = page.get_by_role("button", name="Activate").or_(page.get_by_text("anyway, although", exact=False))
+    offered.first.wait_for(timeout=TIMEOUT_MS)
     B.wait_idle(page, TIMEOUT_MS / 1e3)
     _no_error(page)
     assert page.locator('[data-testid="stDataFrame"]').count() >= 2  # side by side, new vs active
+    held_back = page.get_by_text("anyway, although", exact=False)
+    if held_back.count():
+        held_back.first.click()
+        B.wait_idle(page, TIMEOUT_MS / 1e3)
     page.get_by_role("button", name="Activate").first.click()
     B.wait_idle(page, TIMEOUT_MS / 1e3)
     _no_error(page)

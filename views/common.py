@@ -11,7 +11,7 @@ from engine.base.helpers import default_db, one_line
 from engine.base.names import EMBEDDED_LABEL
 from engine.runtime.models import load_pair, resolve_device
 from engine.runtime.prefix_cache import PrefixCache, spilling
-from engine.service import SUFFIX_BUDGET, SuffixHistory, store_run
+from engine.service import SUFFIX_BUDGET, SuffixHistory
 
 _KEYS = {"target": "speclab_target", "draft": "speclab_draft", "db": "speclab_db"}
 _ENV = {"target": "SPECLAB_TARGET", "draft": "SPECLAB_DRAFT"}
@@ -101,24 +101,3 @@ def get_pair(s: Settings, target_tier: str):
     label = f"{s.target or EMBEDDED_LABEL} + {s.draft or 'default draft'} ({target_tier})"
     with st.spinner(f"Loading {label}…"):
         return _pair(s.target, s.draft, target_tier)
-
-
-@dataclass
-class Saved:
-    run_id: str | None
-    level: str  # "success" | "warning" | "error"
-    message: str
-
-
-def save_run(db: str, row: dict, steps: list[dict]) -> Saved:
-    """Store a run with its steps. The file is opened only for the write, so other processes
-    (CLI, bench) can use it in between; if another process holds it the store stages the run."""
-    try:
-        run_id, staged, note = store_run(db, row, steps, wait_s=3.0)
-        return Saved(run_id, "warning" if staged else "success", one_line(note[:1].upper() + note[1:]))
-    except Exception as e:  # noqa: BLE001 - shown as one line, never a traceback
-        return Saved(None, "error", one_line(e))
-
-
-def show_saved(saved: Saved) -> None:
-    getattr(st, saved.level)(saved.message)

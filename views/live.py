@@ -1,9 +1,9 @@
 """Live decode: one generation streamed step by step, with the draft's signals as they happen.
-Glue only: the engine decodes, the store keeps the run, this page shows both."""
+Glue only: the engine decodes on a thread of its own (engine/service/live_runs.py), the store keeps
+the run, this page polls the run and draws it; Stop is heard between two steps."""
 from __future__ import annotations
 
 import time
-from dataclasses import asdict
 
 import pandas as pd
 import plotly.graph_objects as go
@@ -14,31 +14,28 @@ from engine.base.names import KV_TIERS, WEIGHT_TIERS
 from engine.datasets.prompts import WORKBENCH_PROMPT
 from engine.decode.policies import DEFAULT_POLICY, POLICY_EXAMPLES
 from engine.decode.records import PROPOSER_NAMES
-from engine.lab.generation import Generation
 from engine.lab.side_by_side import policy_options, proposers_of
-from engine.lab.slots import decode_slot
-from engine.service.runs import Request, check, keep, open_generation
-from views.common import (
-    Saved,
-    get_pair,
-    get_prefix_cache,
-    get_suffix_history,
-    save_run,
-    settings,
-    show_error,
-    show_saved,
-)
+from engine.service.cost_jobs import MEASURER
+from engine.service.live_runs import LiveRun, LiveSnapshot, start_live
+from engine.service.runs import Request, check
+from views.common import get_pair, get_prefix_cache, get_suffix_history, settings, show_error
 
-RESULT_KEY = "live_result"
+RUN_KEY = "live_run"  # the session's LiveRun (running or the last one)
+INPUT_KEY = "live_run_inputs"  # the form's values that run was started with
 PROPOSERS_KEY = "speclab_proposers"  # the loaded pair's proposers (engine.oracles.available), for the selectors
 # Marker shapes of the proposers on the γ timeline (colours come from the figure's palette).
 PROPOSER_SYMBOLS = {"draft": "circle", "eagle": "diamond", "ngram": "square", "suffix": "triangle-up"}
 DEFAULT_PROMPT = WORKBENCH_PROMPT
 # Redraw budget while streaming: every redraw is work for this server and for the browser, which
-# share the cores with torch (on 2 cores per-step redraws cut decode speed 2.5–10×). The text
-# and a status line are cheap; the figure is not, so it is drawn rarely and in full at the end.
+# share the cores with torch (on 2 cores per-step redraws cut decode speed 2.5–10×). The page polls
+# the run once a second (text and a status line are cheap); the figure is not, so it is redrawn
+# rarely and in full at the end.
 TEXT_INTERVAL_S = 1.0
 CHART_INTERVAL_S = 5.0
+POLL_S = 0.1  # how often the page looks at the run between draws
+# Stop reasons as the metric tile shows them (a tile cuts a long value: "max_…").
+STOP_LABELS = {"max_new_tokens": "max tokens", "eos": "EOS", "stopped": "stopped", "context": "context full"}
+MAX_NEW = 8192  # the form's largest request (the engine's own bound is the model's context)
 # While a generation streams, the browser's CSS animations and transitions (the running indicator,
 # stale elements fading) are switched off: headless Chromium repainting them took a third of a core
 # per generation from torch here (1.5 s against 1.0 s of its CPU per 64-token run). Removed after.
@@ -89,9 +86,10 @@ class StepChart:
                 trace = go.Scatter(name=name, x=[], y=[], mode="lines+markers",
                                    line_shape=shape, marker_size=4, connectgaps=False)
             fig.add_trace(trace, row=row, col=col)
+        # The legend above the panels: below them it sat on the bottom row's axis title.
         fig.update_layout(
-            height=680, margin=dict(l=10, r=10, t=40, b=10), barmode="overlay",
-            legend=dict(orientation="h", y=-0.06), uirevision="live",
+            height=700, margin=dict(l=10, r=10, t=80, b=10), barmode="overlay",
+            legend=dict(orientation="h", yanchor="bottom", y=1.04, x=0), uirevision="live",
         )
         fig.update_yaxes(range=[0, 1.02], row=1, col=2)
         fig.update_xaxes(title_text="step", row=3)
@@ -160,8 +158,8 @@ def inputs() -> tuple[bool, dict]:
         tier = c3.selectbox("Target tier", WEIGHT_TIERS, key="live_tier",
                             help="Target weight tier. fp16 needs CUDA; int8/nf4 use bitsandbytes.")
         c1, c2, c3, c4 = st.columns(4)
-        max_new = c1.number_input("Max new tokens", min_value=1, max_value=8192, value=64,
-                                  step=16, key="live_max_new")
+        # No min/max on the widget: out of range it only turns red; the request says why instead.
+        max_new = c1.number_input("Max new tokens", value=64, step=16, key="live_max_new")
         temperature = c2.number_input("Temperature", min_value=0.0, max_value=5.0, value=0.0,
                                       step=0.1, key="live_temperature", help="0 = greedy")
         top_p = c3.number_input("Top-p", min_value=0.01, max_value=1.0, value=1.0, step=0.05,
@@ -181,8 +179,8 @@ def inputs() -> tuple[bool, dict]:
                                     "fp8 (e4m3 × a power of two per token and head), int8 (× a bf16 scale)")
         go_ = st.form_submit_button("Generate", type="primary", key="live_generate")
     return go_, dict(
-        prompt=prompt, chat=chat, policy=(typed or "").strip() or chosen, tier=tier,
-        max_new_tokens=int(max_new), temperature=float(temperature), top_p=float(top_p),
+        prompt=prompt, chat=chat, policy=(typed or "").strip() or chosen, typed=bool((typed or "").strip()),
+        tier=tier, max_new_tokens=max_new, temperature=float(temperature), top_p=float(top_p),
         seed=None if seed is None else int(seed), reuse=bool(reuse), budget_mib=int(budget), kv_tier=kv_tier,
     )
 
@@ -190,21 +188,16 @@ def inputs() -> tuple[bool, dict]:
 # -- a generation ----------------------------------------------------------------------------------
 def request_of(inp: dict) -> Request:
     """The page's form as a service request (the Live page asks no task)."""
-    return Request(inp["prompt"], inp["policy"], chat=inp["chat"], max_new_tokens=inp["max_new_tokens"],
+    n = inp["max_new_tokens"]
+    if n is None or n != int(n) or not 1 <= n <= MAX_NEW:
+        raise ValueError(f"max new tokens must be a whole number from 1 to {MAX_NEW}, got {n}")
+    return Request(inp["prompt"], inp["policy"], chat=inp["chat"], max_new_tokens=int(n),
                    temperature=inp["temperature"], top_p=inp["top_p"], seed=inp["seed"], kv_tier=inp["kv_tier"],
                    reuse=inp["reuse"])
 
 
-def _step_row(rec, tokenizer, why: str) -> dict:
-    row = {k: v for k, v in asdict(rec).items() if k in TABLE_COLUMNS}
-    row["text"] = tokenizer.decode(rec.token_ids, skip_special_tokens=False)
-    row["why"] = why if rec.step else "prefill"
-    return row
-
-
-def generate(inp: dict, out_ph, chart_ph, status_ph) -> dict | None:
-    """Run one generation, streaming into the placeholders; the result, or None after an error
-    (already shown)."""
+def start(inp: dict) -> None:
+    """Starts a run on its own thread (see engine/service/live_runs.py), or shows why not."""
     s = settings()
     try:
         req = request_of(inp)
@@ -212,69 +205,58 @@ def generate(inp: dict, out_ph, chart_ph, status_ph) -> dict | None:
         pair = get_pair(s, inp["tier"])
         st.session_state[PROPOSERS_KEY] = proposers_of(pair)
         prefix = get_prefix_cache(s, inp["tier"], inp["budget_mib"])
-        with st.spinner("Reading the cost table and controller (measured once when missing)…"):
-            gen = open_generation(pair, req, s.db, prefix=prefix,  # speckv/rakv read their costs and controller
-                                  history=get_suffix_history(s))
+        run = start_live(pair, req, s.db, prefix, get_suffix_history(s))
     except Exception as e:  # noqa: BLE001 - one line in the UI, never a traceback
         show_error(e)
-        return None
-
-    with decode_slot("a live decode", lambda busy: st.info(f"Busy: {busy} is using the model; waiting for it…")):
-        return _stream(gen, pair, inp, prefix, out_ph, chart_ph, status_ph, s.db)
+        return
+    st.session_state[RUN_KEY], st.session_state[INPUT_KEY] = run, inp
 
 
-def _stream(gen: Generation, pair, inp: dict, prefix, out_ph, chart_ph, status_ph, db: str) -> dict | None:
-    tok = pair.tokenizer
-    chart = StepChart()
-    steps: list[dict] = []
-    ui_s, last_text, last_chart, n_charts = 0.0, 0.0, time.perf_counter(), 0
-    it = iter(gen)
-    try:
-        for rec in it:
-            t0 = time.perf_counter()
-            row = _step_row(rec, tok, getattr(gen.policy, "why", ""))
-            steps.append(row)
-            chart.add(row)
-            if t0 - last_text >= TEXT_INTERVAL_S:
-                out_ph.text(tok.decode(gen.token_ids, skip_special_tokens=True), width="stretch")
-                status_ph.caption(f"step {rec.step} · {rec.proposer or 'plain'} γ {rec.k_chosen} · "
-                                  f"{len(gen.token_ids)} tokens · {row['why']}")
-                last_text = time.perf_counter()
-            if t0 - last_chart >= CHART_INTERVAL_S:
-                n_charts += 1
-                chart_ph.plotly_chart(chart.figure(), key=f"live_chart_{n_charts}")
-                last_chart = time.perf_counter()
-            ui_s += time.perf_counter() - t0
-    except Exception as e:  # noqa: BLE001
-        show_error(e)
-        return None
-    except BaseException:  # Stop (or leaving the page) ends the script here: keep what ran
-        it.close()
-        if gen.summary is not None:
-            st.session_state[RESULT_KEY] = _result(gen, pair, inp, prefix, steps, ui_s, db)
-        raise
-    return _result(gen, pair, inp, prefix, steps, ui_s, db)
+def _label(run: LiveRun, snap: LiveSnapshot) -> str:
+    pair, inp = run.pair, st.session_state[INPUT_KEY]
+    kv = f"KV {inp['kv_tier']}" + (f" {snap.kv_bytes_per_token / 1024:.1f} KiB/token" if snap.kv_bytes_per_token else "")
+    sampling = "greedy" if inp["temperature"] == 0 else f"T {inp['temperature']:g}, seed {snap.seed}"
+    return (f"{pair.target_name} ({pair.target_tier}, {kv}) ← {pair.draft_name} ({pair.draft_tier}) · "
+            f"{inp['policy']} · {pair.device} · {sampling}")
 
 
-def _result(gen: Generation, pair, inp: dict, prefix, steps: list[dict], ui_s: float, db: str) -> dict:
-    """The finished (or stopped) generation, stored, as the page shows it."""
-    tok = pair.tokenizer
-    try:
-        kept = keep(gen, request_of(inp))  # the row every caller stores for a run
-        saved = save_run(db, kept.row, kept.steps)
-    except Exception as e:  # noqa: BLE001 - the result is still shown
-        saved = Saved(None, "error", f"run not stored: {type(e).__name__}: {e}")
-    return dict(
-        output=tok.decode(gen.token_ids, skip_special_tokens=True),
-        summary=asdict(gen.summary),
-        steps=steps,
-        saved=saved,
-        ui_ms=ui_s * 1e3,
-        prefix=prefix.stats(),
-        label=(f"{pair.target_name} ({pair.target_tier}, KV {inp['kv_tier']} "
-               f"{(gen.kv_bytes_per_token or 0) / 1024:.1f} KiB/token) ← {pair.draft_name} ({pair.draft_tier})"
-               f" · {inp['policy']} · {pair.device} · seed {gen.seed}"),
-    )
+def follow(run: LiveRun) -> LiveSnapshot:
+    """Draws the run while it goes, from this script run: Stop, a status line and the text once a
+    second, the figure every CHART_INTERVAL_S (not in a run's first seconds: a short run ends
+    before, and drawing a six-panel figure in the browser while it decoded cost it a quarter of its
+    speed). Returns the ended run's snapshot. Stop is a widget of the page, not of a fragment: its
+    press asks for a rerun that preempts this loop at its next draw (a fragment's own button would
+    wait for the fragment's run to end), and its callback, run first in the new script run, sets the
+    decode's stop event. Polling from a fragment every second instead cost the decode a third of
+    its speed beside another job (a fragment rerun is a script run for the browser and the server)."""
+    st.html(CALM_CSS)
+    st.button("Stop", key="live_stop", icon=":material/stop:", on_click=run.stop,
+              help="End the generation after this step; what it made is shown and stored")
+    status_ph, text_ph, chart_ph = st.empty(), st.container(border=True).empty(), st.empty()
+    drawn, last_text, last_chart = 0, 0.0, time.monotonic()
+    while not (snap := run.snapshot()).done:
+        now = time.monotonic()
+        if now - last_text >= TEXT_INTERVAL_S:
+            status_ph.caption(_status(run, snap))
+            text_ph.text(run.pair.tokenizer.decode(snap.token_ids, skip_special_tokens=True) or "…", width="stretch")
+            last_text = now
+        if len(snap.steps) > drawn and now - snap.started_at >= CHART_INTERVAL_S and now - last_chart >= CHART_INTERVAL_S:
+            drawn, last_chart = len(snap.steps), now
+            chart_ph.plotly_chart(StepChart.of(snap.steps), key=f"live_chart_{drawn}")
+        time.sleep(POLL_S)
+    return snap
+
+
+def _status(run: LiveRun, snap: LiveSnapshot) -> str:
+    inp = st.session_state[INPUT_KEY]
+    policy = inp["policy"] + (" (typed: the Policy box is ignored)" if inp["typed"] else "")
+    if snap.state == "waiting":
+        return f"{policy} · waiting for {snap.waiting_for or 'the model'}…"
+    if not snap.steps:
+        return f"{policy} · reading the prompt ({snap.costs or 'no costs needed'})"
+    last = snap.steps[-1]
+    return (f"{policy} · step {last['step']} · {last['proposer'] or 'plain'} γ {last['k_chosen']} · "
+            f"{len(snap.token_ids)} tokens · {last['why']}" + (f" · {snap.costs}" if snap.costs else ""))
 
 
 # -- the result ------------------------------------------------------------------------------------
@@ -282,10 +264,14 @@ def _fmt(v, spec: str) -> str:
     return "—" if v is None else format(v, spec)
 
 
-def show_result(res: dict, out_ph, chart_ph) -> None:
-    s = res["summary"]
-    out_ph.text(res["output"], width="stretch")
-    chart_ph.plotly_chart(StepChart.of(res["steps"]), key="live_chart_result")
+def show_result(run: LiveRun, snap: LiveSnapshot) -> None:
+    if snap.state == "failed":
+        show_error(ValueError(snap.error))
+        return
+    s = snap.summary
+    tok = run.pair.tokenizer
+    st.container(border=True).text(tok.decode(snap.token_ids, skip_special_tokens=True), width="stretch")
+    st.plotly_chart(StepChart.of(snap.steps), key="live_chart_result")
     cols = st.columns(7)
     cols[0].metric("Tokens/s", _fmt(s["tokens_per_s"], ".1f"))
     cols[1].metric("TTFT ms", _fmt(s["ttft_ms"], ".1f"))
@@ -293,47 +279,64 @@ def show_result(res: dict, out_ph, chart_ph) -> None:
     cols[3].metric("Mean accepted", _fmt(s["mean_accepted"], ".2f"))
     cols[4].metric("Acceptance rate", _fmt(s["acceptance_rate"], ".0%"))
     cols[5].metric("Prefix reuse", s["prefix_hit"], f"{s['reused_tokens']} tokens reused", delta_color="off")
-    cols[6].metric("Stop reason", s["stop_reason"])
-    st.caption(
-        f"{res['label']} · {s['n_tokens']} tokens in {s['n_steps']} steps, "
-        f"{s['wall_ms']:.0f} ms wall (of which {res['ui_ms']:.0f} ms streaming to the UI)"
-    )
-    p = res["prefix"]
-    st.caption(f"Prefix cache: {p['entries']} entries, {p['bytes'] / 2**20:.1f} of {p['budget_bytes'] / 2**20:.0f} MiB; "
-               f"{p['lookups']} lookups → {p['exact_hits']} exact, {p['partial_hits']} partial, {p['misses']} misses; "
-               f"{p['reused_tokens']} tokens reused; {p['evictions']} evicted, {p['refused']} refused; "
-               f"{p.get('spilled_entries', 0)} spilled to disk ({p.get('spill_bytes', 0) / 2**20:.1f} MiB), "
-               f"{p.get('spill_hits', 0)} brought back")
-    show_saved(res["saved"])
-    st.dataframe(pd.DataFrame(res["steps"], columns=TABLE_COLUMNS), hide_index=True,
-                 width="stretch")
+    cols[6].metric("Stop reason", STOP_LABELS.get(s["stop_reason"], s["stop_reason"]))
+    st.caption(f"{_label(run, snap)} · {s['n_tokens']} tokens in {s['n_steps']} steps, {s['wall_ms']:.0f} ms wall"
+               + (f" · costs: {snap.costs}" if snap.costs else ""))
+    p = run.prefix.stats() if run.prefix is not None else None
+    if p:
+        st.caption(f"Prefix cache: {p['entries']} entries, {p['bytes'] / 2**20:.1f} of {p['budget_bytes'] / 2**20:.0f} "
+                   f"MiB; {p['lookups']} lookups → {p['exact_hits']} exact, {p['partial_hits']} partial, "
+                   f"{p['misses']} misses; {p['reused_tokens']} tokens reused; {p['evictions']} evicted, "
+                   f"{p['refused']} refused; {p.get('spilled_entries', 0)} spilled to disk "
+                   f"({p.get('spill_bytes', 0) / 2**20:.1f} MiB), {p.get('spill_hits', 0)} brought back")
+    getattr(st, snap.stored.level)(snap.stored.message)
+    rows = [dict({k: v for k, v in r.items() if k in TABLE_COLUMNS},
+                 text=tok.decode(r["token_ids"], skip_special_tokens=False)) for r in snap.steps]
+    st.dataframe(pd.DataFrame(rows, columns=TABLE_COLUMNS), hide_index=True, width="stretch")
 
 
-@st.fragment
+@st.fragment(run_every=5.0)
+def cost_measurement() -> None:
+    """The background cost measurement a run started (a fresh database's first rakv run), polled
+    while it runs (only then is this fragment drawn; seldom: each poll is work the measurement
+    shares the cores with)."""
+    status = MEASURER.status()
+    if status is None:
+        return
+    if status.running:
+        eta = f", about {status.eta_s:.0f} s left" if status.eta_s is not None else ""
+        st.progress(status.done / status.total, text=f"Measuring the cost table for {status.label} in the "
+                    f"background ({status.done} of {status.total} contexts{eta}); until then runs read probed "
+                    "costs, and a Generate waits for one context at most")
+    else:
+        _measured(status)
+
+
+def _measured(status) -> None:
+    if status.state == "failed":
+        st.warning(f"The cost table was not measured: {status.message}")
+    else:
+        st.caption(status.message)
+
+
 def live_panel() -> None:
-    """Pressing Generate reruns only this panel."""
     go_, inp = inputs()
-    status_ph = st.empty()
-    stop_ph = st.empty()
-    calm_ph = st.empty()
     if go_:
-        calm_ph.html(CALM_CSS)
-        stop_ph.button("Stop", key="live_stop", icon=":material/stop:",
-                       help="End the generation after this step; what it made is shown and stored")
-    out_box = st.container(border=True)
-    out_ph = out_box.empty()
-    chart_ph = st.empty()
-    if go_:
-        st.session_state[RESULT_KEY] = None
-        st.session_state[RESULT_KEY] = generate(inp, out_ph, chart_ph, status_ph)
-        status_ph.empty()
-        stop_ph.empty()
-        calm_ph.empty()
-    res = st.session_state.get(RESULT_KEY)
-    if res:
-        show_result(res, out_ph, chart_ph)
-    elif not go_:
-        out_ph.caption("The output streams here.")
+        start(inp)
+    status = MEASURER.status()
+    if status is not None and status.running:
+        cost_measurement()
+    elif status is not None:
+        _measured(status)
+    run: LiveRun | None = st.session_state.get(RUN_KEY)
+    if run is None:
+        st.caption("The output streams here.")
+        return
+    snap = run.snapshot()
+    if not snap.done:
+        snap = follow(run)
+        st.rerun()  # the result replaces the streaming panels (and Stop)
+    show_result(run, snap)
 
 
 st.title("Live decode")

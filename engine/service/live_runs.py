@@ -1,0 +1,123 @@
+"""A live decode on a thread of its own, for the workbench's Live page: the page starts it, polls
+its snapshot to draw, and Stop sets an event the decode checks between two steps. The decode does
+not run in the page's script because a Streamlit fragment's own button never preempts the
+fragment's run (its rerun waits for the run to end): a Stop must reach a decode that is elsewhere.
+Here it is heard within one step, and the run is then stored like any other. Leaving the page does
+not end the run either.
+
+The run takes the process's decode slot (engine/lab/slots.py) for its whole length, reads what its
+policy needs without measuring anything (a missing cost table is probed in seconds), and after the
+run, where the costs were probed or lack the contexts the run reached, starts the background cost
+measurement (service/cost_jobs.py). Torch-free at import."""
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from engine.base.helpers import one_line
+from engine.decode.policies import NEEDS_CONTEXT, parse_policy
+from engine.lab.slots import decode_slot
+from engine.service.cost_jobs import MEASURER
+from engine.service.cost_tables import reach
+from engine.service.runs import Request, Stored, check, keep, open_generation, store_outcome
+
+
+@dataclass
+class LiveSnapshot:
+    """What the page draws: the state (waiting, running, finished, stopped, failed), the steps so
+    far (each a StepRecord's fields and the policy's `why`), the token ids, and at the end the
+    summary and where the run was stored."""
+
+    state: str
+    steps: list[dict] = field(default_factory=list)
+    token_ids: list[int] = field(default_factory=list)
+    waiting_for: str = ""  # what holds the decode slot while this waits for it
+    costs: str = ""  # where the policy's costs come from (costs.CostTable.describe)
+    error: str = ""
+    summary: dict | None = None
+    stored: Stored | None = None
+    seed: int | None = None
+    kv_bytes_per_token: int | None = None
+    started_at: float = field(default_factory=time.monotonic)
+
+    @property
+    def done(self) -> bool:
+        return self.state in ("finished", "stopped", "failed")
+
+
+class LiveRun:
+    """One generation of one session, on a daemon thread. Every method is safe from any thread."""
+
+    def __init__(self, pair, req: Request, db: str, prefix=None, history=None) -> None:
+        check(req)  # a bad spec or setting fails here, in the page, before anything starts
+        self.pair, self.req, self.db, self.prefix, self.history = pair, req, db, prefix, history
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._snap = LiveSnapshot("waiting")
+        self._thread = threading.Thread(target=self._run, name="live decode", daemon=True)
+
+    def start(self) -> "LiveRun":
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        """Ends the generation after the step in progress; what it made is kept and stored."""
+        self._stop.set()
+
+    def snapshot(self) -> LiveSnapshot:
+        with self._lock:
+            s = self._snap
+            return LiveSnapshot(s.state, list(s.steps), list(s.token_ids), s.waiting_for, s.costs, s.error,
+                                s.summary, s.stored, s.seed, s.kv_bytes_per_token, s.started_at)
+
+    def wait(self, timeout_s: float | None = None) -> LiveSnapshot:
+        self._thread.join(timeout_s)
+        return self.snapshot()
+
+    def _set(self, **fields: Any) -> None:
+        with self._lock:
+            for k, v in fields.items():
+                setattr(self._snap, k, v)
+
+    def _run(self) -> None:
+        try:
+            with decode_slot("a live decode", lambda busy: self._set(waiting_for=busy)):
+                self._set(state="running", waiting_for="")
+                gen = open_generation(self.pair, self.req, self.db, prefix=self.prefix, history=self.history,
+                                      measure=False)
+                self._set(costs=gen.policy.costs.describe() if hasattr(gen.policy, "costs") else "", seed=gen.seed)
+                self._decode(gen)
+            kept = keep(gen, self.req)
+            stored = store_outcome(self.db, kept.row, kept.steps) if self.db else Stored(None, "warning", "not stored: no database")
+            self._set(state="stopped" if gen.summary.stop_reason == "stopped" else "finished",
+                      summary=asdict(gen.summary), stored=stored, kv_bytes_per_token=gen.kv_bytes_per_token)
+            self._measure_after(gen)
+        except BaseException as e:  # noqa: BLE001 - the page shows it as one line
+            self._set(state="failed", error=one_line(e))
+
+    def _decode(self, gen) -> None:
+        it = iter(gen)
+        for rec in it:
+            row = asdict(rec)
+            row["why"] = getattr(gen.policy, "why", "") if rec.step else "prefill"
+            with self._lock:
+                self._snap.steps.append(row)
+                self._snap.token_ids.extend(rec.token_ids)
+            if self._stop.is_set():
+                it.close()  # Generation keeps what ran as a run stopped early
+                break
+
+    def _measure_after(self, gen) -> None:
+        """Where the policy read probed costs, or a table short of the contexts this run reached,
+        the table is measured now in the background (a Generate pressed meanwhile waits a bucket)."""
+        name = parse_policy(self.req.policy)[0]
+        if name not in NEEDS_CONTEXT or not self.db:
+            return
+        MEASURER.start(self.db, self.pair, self.req.kv_tier, reach(len(gen.prompt_ids), self.req.max_new_tokens))
+
+
+def start_live(pair, req: Request, db: str, prefix=None, history=None) -> LiveRun:
+    """A live run started on its own thread (the page keeps it in its session)."""
+    return LiveRun(pair, req, db, prefix, history).start()
