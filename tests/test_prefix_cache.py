@@ -245,3 +245,100 @@ def test_the_workbench_cache_spills_to_a_folder_of_its_own():
 
     gc.collect()
     assert not folder.exists()  # the temporary folder goes with the cache
+
+
+# ---- the disk tier: entries across processes (engine/runtime/prefix_disk.py) ------------------------
+
+def _disk(folder, budget=1 << 30, identity="", warn=None):
+    from engine.runtime.prefix_disk import PrefixDisk
+
+    return PrefixDisk(folder, budget, identity, warn=warn if warn is not None else (lambda m: None))
+
+
+def test_the_disk_tier_evicts_the_least_recently_used_under_its_byte_budget(tmp_path):
+    disk = _disk(tmp_path)
+    assert disk.save(entry([1] * 20))
+    size = disk.stats()["bytes"]
+    disk.budget_bytes = 2 * size + size // 2  # room for two (equal token counts: equal sizes)
+    assert disk.save(entry([2] * 20))
+    assert disk.find(KEY, [1] * 20) is not None  # a use: [2]*20 is now the least recently used
+    assert disk.save(entry([3] * 20))  # evicts [2]*20, not [1]*20 (written first, used since)
+    s = disk.stats()
+    assert (s["entries"], s["evictions"]) == (2, 1) and s["bytes"] <= disk.budget_bytes
+    assert disk.find(KEY, [2] * 20) is None
+    assert disk.find(KEY, [1] * 20) is not None and disk.find(KEY, [3] * 20) is not None
+    disk.budget_bytes = size // 2  # an entry over the whole budget is not written at all
+    assert not disk.save(entry([4] * 20)) and disk.stats()["refused"] == 1
+
+
+@pytest.mark.parametrize("damage", ["flip", "truncate", "checksum"])
+def test_a_damaged_disk_entry_is_removed_with_one_warning_and_read_as_a_miss(tmp_path, damage):
+    warnings: list[str] = []
+    disk = _disk(tmp_path, warn=warnings.append)
+    stored = entry([5] * 20)
+    stored.kv[0][0].normal_()
+    assert disk.save(stored)
+    [path] = disk.entries()
+    blob = bytearray(path.read_bytes())
+    if damage == "flip":
+        blob[len(blob) - 40] ^= 0xFF  # inside the arrays
+    elif damage == "truncate":
+        del blob[len(blob) // 2:]
+    else:
+        at = blob.index(b'"speclab.checksum":"') + len(b'"speclab.checksum":"')
+        blob[at] = ord("0") if blob[at] != ord("0") else ord("1")
+    path.write_bytes(bytes(blob))
+    cache = PrefixCache(disk=disk)
+    assert cache.lookup(KEY, [5] * 20).kind == "miss"  # never an exception, never the damaged state
+    assert len(warnings) == 1 and path.name in warnings[0] and warnings[0].startswith("warning: "), warnings
+    assert not path.exists() and disk.stats()["damaged"] == 1
+    assert cache.lookup(KEY, [5] * 20).kind == "miss" and len(warnings) == 1  # gone: nothing more to say
+
+
+def test_a_disk_entry_under_another_identity_is_not_taken(tmp_path):
+    """The identity (the weights behind the names, torch, threads) is part of the key: an entry
+    a process left for other weights at the same path is never handed out."""
+    _disk(tmp_path, identity="weights-a").save(entry([6] * 20))
+    assert _disk(tmp_path, identity="weights-b").find(KEY, [6] * 20) is None
+    assert _disk(tmp_path, identity="weights-a").find(KEY, [6] * 20) is not None
+
+
+def _same_kv(a, b) -> bool:
+    def parts(kv):
+        return [t for k, v in kv for q in (k, v) for t in ((q.codes, q.scale) if isinstance(q, pc.Quantized) else (q,))]
+
+    return all(x is None and y is None or torch.equal(x, y) for x, y in zip(parts(a), parts(b), strict=True))
+
+
+@pytest.mark.parametrize("kv_tier", ["native", "fp8", "int8"])
+def test_a_later_process_takes_the_prefix_from_disk_bit_for_bit(tiny_pair, tmp_path, kv_tier):
+    """Each PrefixCache stands for one CLI process: its memory starts empty, the folder is shared.
+    The entry read back is the one stored, bit for bit (target KV in the tier's stored form,
+    logits, draft KV), and greedy output with it equals output without reuse."""
+    from engine.runtime.prefix_disk import PrefixDisk, pair_identity
+
+    tok = tiny_pair.tokenizer
+    system = {"role": "system", "content": "You answer briefly. " * 6}
+    first = encode_messages(tok, [system, {"role": "user", "content": "What is 2+2?"}])
+    other = encode_messages(tok, [system, {"role": "user", "content": "Name a colour."}])
+    identity = pair_identity(tiny_pair)
+
+    def process() -> PrefixCache:
+        return PrefixCache(disk=PrefixDisk(tmp_path, 1 << 30, identity, tiny_pair.device))
+
+    def run(ids, cache, reuse=True):
+        cfg = GenConfig(max_new_tokens=24, reuse=reuse, kv_tier=kv_tier)
+        return Generation(tiny_pair, ids, make_policy("fixed:3", synthetic_context()), cfg, prefix=cache).run()
+
+    cold = {tuple(ids): run(ids, None, reuse=False).token_ids for ids in (first, other)}
+    one = process()
+    assert run(first, one).summary.prefix_hit == "miss"
+    [kept] = one.entries()
+    found = process().disk.find(kept.key, first)
+    assert found is not None and found.tokens == kept.tokens and found.n_prompt == kept.n_prompt
+    assert _same_kv(found.kv, kept.kv) and torch.equal(found.logits, kept.logits)
+    assert found.draft_len == kept.draft_len > 0 and _same_kv(found.draft_kv, kept.draft_kv)
+    for ids, kind in ((first, "exact"), (other, "partial")):
+        g = run(ids, process())
+        assert (g.summary.prefix_hit, g.summary.reused_tokens > 0) == (kind, True)
+        assert g.token_ids == cold[tuple(ids)], kind

@@ -25,6 +25,12 @@ from engine.service.options import KV_TIER_ARG, add_model_args
          ("--task", dict(default=None, help="label stored with the run (code, math, …)")),
          ("--no-reuse", dict(action="store_true", help="recompute the whole prompt: no cross-request prefix KV")),
          ("--prefix-budget", dict(type=float, default=512.0, help="prefix cache budget in MiB")),
+         # 2048: prefix_disk.DEFAULT_BUDGET_MIB (a literal here: the CLI starts without torch)
+         ("--prefix-disk-budget", dict(type=float, default=2048.0, metavar="MIB", help="budget of the prefix "
+                                       "cache's disk tier, which later runs (other processes) reuse; least recently "
+                                       "used entries go first")),
+         ("--prefix-dir", dict(default=None, metavar="DIR", help="the disk tier's folder (default: prefix-kv in the "
+                               "model cache, $SPECLAB_CACHE or ~/.cache/speclab)")),
          ("--suffix-budget", dict(type=int, default=SUFFIX_BUDGET, help="tokens of earlier outputs (the runs "
                                   "stored in --db for this target, newest first) the suffix proposer draws from")),
          ("--json", dict(action="store_true", help="print one JSON object instead of the text")),
@@ -36,6 +42,7 @@ def cmd_generate(a: argparse.Namespace) -> int:
     from engine.oracles.suffix import check_budget
     from engine.runtime.models import device_name
     from engine.runtime.prefix_cache import PrefixCache
+    from engine.runtime.prefix_disk import mib_to_bytes
     from engine.service.runs import Request, check, keep, open_generation, suffix_history
 
     if a.config:
@@ -44,10 +51,14 @@ def cmd_generate(a: argparse.Namespace) -> int:
                   a.kv_tier, reuse=not a.no_reuse)
     check(req)  # before loading models: a typo should fail in milliseconds
     prefix = PrefixCache(int(a.prefix_budget * 2**20))  # a budget ≤ 0 fails here, before any model loads
+    disk_budget = mib_to_bytes(a.prefix_disk_budget, "--prefix-disk-budget")  # likewise
     check_budget(a.suffix_budget, "--suffix-budget")
     open_or_fail(a.db)
     pair = load(a, a.target_tier, progress=lambda m: None)
-    gen = open_generation(pair, req, a.db, prefix=prefix, say=say)  # speckv/rakv: costs, controller
+    if not a.no_reuse:  # one run a process: only the disk tier can hand this run an earlier run's prefix
+        prefix.disk = _prefix_disk(pair, a.prefix_dir, disk_budget)
+    # speckv/rakv: costs and controller; a missing cost table is probed in seconds (measured after the run)
+    gen = open_generation(pair, req, a.db, prefix=prefix, say=say, measure=False)
     if "suffix" in gen.proposers:  # read only where it is used: one process, one run
         gen.history = suffix_history(a.db, pair, a.suffix_budget)
     shown = ""
@@ -61,6 +72,7 @@ def cmd_generate(a: argparse.Namespace) -> int:
     if kept.staged:
         say(f"warning: {kept.note}")
     s = gen.summary
+    costs = policy.costs.describe() if getattr(policy, "costs", None) is not None else None
     if a.json:
         print(json.dumps(dict(
             text=row["output"], token_ids=gen.token_ids, tokens_per_s=s.tokens_per_s,
@@ -70,14 +82,38 @@ def cmd_generate(a: argparse.Namespace) -> int:
             draft=pair.draft_name, target_tier=pair.target_tier, draft_tier=pair.draft_tier,
             kv_tier=cfg.kv_tier, kv_bytes_per_token=gen.kv_bytes_per_token,
             device=device_name(pair.device), seed=gen.seed, run_id=run_id, reused_tokens=s.reused_tokens,
-            prefix_hit=s.prefix_hit, steps=steps)))
+            prefix_hit=s.prefix_hit, costs=costs, steps=steps)))
     else:
         rate = "–" if s.acceptance_rate is None else f"{s.acceptance_rate:.2f}"
         say(f"\n[{policy.name} · {pair.target_tier} · KV {cfg.kv_tier} {gen.kv_bytes_per_token / 1024:.1f} KiB/token · "
              f"{s.n_tokens} tokens · {s.tokens_per_s:.1f} tok/s · "
              f"TTFT {s.ttft_ms:.0f} ms · {s.tokens_per_step:.2f} tok/step · acceptance {rate} · "
-             f"{s.stop_reason}{f' · run {run_id}' if run_id else ''}]")
+             f"{s.stop_reason}{f' · costs: {costs}' if costs else ''}{f' · run {run_id}' if run_id else ''}]")
+    if costs is not None and a.db:
+        _measure_costs_after(a.db, pair, req, len(gen.prompt_ids))
     return 0
+
+
+def _measure_costs_after(db: str, pair, req, n_prompt: int) -> None:
+    """After a run that read probed costs (or a table short of the contexts it reached): the table
+    measured and stored now, for the runs after it; a busy machine leaves it for a later run."""
+    from engine.lab.timing import MachineBusy
+    from engine.service.cost_tables import measure_missing, reach
+
+    try:
+        table = measure_missing(db, pair, req.kv_tier, reach(n_prompt, req.max_new_tokens), say)
+    except MachineBusy as e:
+        say(f"warning: {e}")
+        return
+    if table is not None:
+        say(f"cost table stored ({table.describe()})")
+
+
+def _prefix_disk(pair, folder: str | None, budget: int):
+    """The prefix cache's disk tier for `pair`, in `folder` (default: the model cache's prefix-kv)."""
+    from engine.runtime.prefix_disk import PrefixDisk, default_folder, pair_identity
+
+    return PrefixDisk(Path(folder) if folder else default_folder(), budget, pair_identity(pair), pair.device, say)
 
 
 # -- tuned configurations: --config and export ---------------------------------------------------

@@ -20,7 +20,11 @@ With a `Spill`, an evicted entry does not vanish: its target KV moves to a slow 
 host memory behind a link, engine/runtime/kv/offload.py) in windows, raw or coded, and a stub keeps its
 tokens and logits in the bucket; a later hit restores it (pipelined, every window checked) and
 takes it back into memory. The draft's state is not spilled (the draft reads the prompt again).
-The spill tier has its own byte budget and LRU; a stub whose restore fails is dropped, a miss."""
+The spill tier has its own byte budget and LRU; a stub whose restore fails is dropped, a miss.
+
+With a `PrefixDisk` (engine/runtime/prefix_disk.py), every stored entry is also written to a folder
+that outlives the process, and a lookup that memory cannot answer exactly asks the folder: the CLI
+runs one request a process, and this is how its next run takes the prefix."""
 from __future__ import annotations
 
 import hashlib
@@ -28,7 +32,7 @@ import threading
 from array import array
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -124,11 +128,13 @@ class Hit:
 
 
 class PrefixCache:
-    def __init__(self, budget_bytes: int = DEFAULT_BUDGET, spill: Spill | None = None) -> None:
+    def __init__(self, budget_bytes: int = DEFAULT_BUDGET, spill: Spill | None = None,
+                 disk: Any = None) -> None:  # a prefix_disk.PrefixDisk (it imports this module)
         if not budget_bytes > 0:
             raise ValueError(f"the prefix cache budget must be > 0 bytes, got {budget_bytes}")
         self.budget = int(budget_bytes)
         self.spill = spill
+        self.disk = disk  # entries kept across processes (the CLI's); None: this process only
         self._lock = threading.Lock()
         self._buckets: dict[bytes, list[Entry]] = {}
         self._lru: OrderedDict[int, Entry] = OrderedDict()  # id(entry) → entry, oldest first
@@ -137,7 +143,7 @@ class PrefixCache:
         self._names = 0
         self.counters = dict(lookups=0, exact_hits=0, partial_hits=0, misses=0, reused_tokens=0,
                              stored=0, evictions=0, refused=0, spilled=0, spill_hits=0, spill_dropped=0,
-                             spill_errors=0)
+                             spill_errors=0, disk_hits=0)
 
     def lookup(self, key: tuple, prompt: list[int]) -> Hit:
         """The entry sharing the longest prefix with `prompt` under this pair (verified token by
@@ -150,11 +156,19 @@ class PrefixCache:
                 if q > best_q:
                     best, best_q = e, q
             if best is not None and best.spilled is not None and not self._unspill(best):
-                best = None  # its restore failed: the stub is gone
+                best, best_q = None, 0  # its restore failed: the stub is gone
+            exact = best is not None and best.n_prompt == len(prompt) == best_q
+            if self.disk is not None and not exact:
+                found = self.disk.find(key, prompt, beat=(best_q, False))
+                if found is not None:  # kept in memory too, when it fits: the next lookup is cheap
+                    best, best_q = found, _lcp(found.tokens, prompt)
+                    self._take_in(found)
+                    self.counters["disk_hits"] += 1
             if best is None:
                 self.counters["misses"] += 1
                 return Hit("miss", 0)
-            self._lru.move_to_end(id(best))
+            if id(best) in self._lru:  # not when a disk entry over the memory budget is used once
+                self._lru.move_to_end(id(best))
             if best.n_prompt == len(prompt) == best_q:
                 hit = Hit("exact", best_q, best)
             else:
@@ -165,8 +179,11 @@ class PrefixCache:
 
     def put(self, entry: Entry) -> bool:
         """Stores `entry` (replacing one over the same tokens), evicting the least recently used
-        until it fits; False, and nothing stored, when it alone exceeds the budget."""
+        until it fits; False, and nothing stored in memory, when it alone exceeds the budget. With
+        a disk tier it is written there too, under the disk's own budget."""
         with self._lock:
+            if self.disk is not None:  # first: a spill on admission would empty entry.kv
+                self.disk.save(entry)
             if entry.nbytes > self.budget:
                 self.counters["refused"] += 1
                 return False
@@ -239,11 +256,18 @@ class PrefixCache:
         self._drop(entry)  # out of the spill tier (and its bucket) …
         entry.kv = kv
         entry.nbytes = kv_bytes(kv) + entry.logits.numel() * entry.logits.element_size()
+        if not self._take_in(entry):  # … and back into memory and its bucket
+            return False
+        self.counters["spill_hits"] += 1
+        return True
+
+    def _take_in(self, entry: Entry) -> bool:
+        """An entry from a slower tier into memory and its bucket; False when it alone exceeds
+        the budget."""
         if entry.nbytes > self.budget:
             return False
-        self._admit(entry)  # … and back into memory and its bucket
+        self._admit(entry)
         self._buckets.setdefault(digest(entry.key, entry.tokens), []).append(entry)
-        self.counters["spill_hits"] += 1
         return True
 
     def entries(self) -> list[Entry]:
@@ -253,8 +277,11 @@ class PrefixCache:
 
     def stats(self) -> dict:
         with self._lock:
-            return dict(self.counters, entries=len(self._lru), bytes=self.bytes, peak_bytes=self.peak_bytes,
-                        budget_bytes=self.budget, spilled_entries=len(self._spilled), spill_bytes=self.spill_bytes)
+            out = dict(self.counters, entries=len(self._lru), bytes=self.bytes, peak_bytes=self.peak_bytes,
+                       budget_bytes=self.budget, spilled_entries=len(self._spilled), spill_bytes=self.spill_bytes)
+            if self.disk is not None:
+                out["disk"] = self.disk.stats()
+            return out
 
 
 def spilling(budget_bytes: int, spill_factor: int = 4, folder: str | None = None, window: int = 256) -> PrefixCache:
