@@ -398,7 +398,7 @@ class Store:
 
     def controller(self, name: str,
                    version: int | None = None) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
-        """(params, meta) of one version; None means the active one, else the latest."""
+        """(params, meta) of one version; None means the active one, else the newest not held back."""
         with self._reader() as con:
             return read_controller(con, name, version, self.path)
 

@@ -86,20 +86,32 @@ def prepare_costs(rows: Sequence[Mapping[str, Any]]) -> tuple[str, pa.Table]:
 
 
 def read_controller(con, name: str, version: int | None, path: object) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
-    """(params, meta) of one stored controller version (None: the active one, else the latest),
-    read through `con`; a missing one is a StoreError naming the versions there are."""
+    """(params, meta) of one stored controller version (None: the active one, else the newest
+    not held back), read through `con`; a missing one is a StoreError naming the versions there are.
+    A version is held back when retraining found it worse than what it would replace (its
+    `metrics.shortfalls`, engine/service/replays.py): only activating it by hand makes it used."""
     pick = " AND version = ?" if version is not None else ""
-    sql = (f"SELECT version, params, meta FROM controllers WHERE name = ?{pick}"
-           " ORDER BY coalesce(active, false) DESC, version DESC LIMIT 1")
-    row = con.execute(sql, [name] + ([version] if version is not None else [])).fetchone()
-    if row is None:
+    sql = (f"SELECT version, params, meta, coalesce(active, false) FROM controllers WHERE name = ?{pick}"
+           " ORDER BY coalesce(active, false) DESC, version DESC")
+    rows = con.execute(sql, [name] + ([version] if version is not None else [])).fetchall()
+    if not rows:
         have = [r[0] for r in con.execute("SELECT version FROM controllers WHERE name = ? ORDER BY version",
                                           [name]).fetchall()]
         if not have:
             raise StoreError(f"no controller {name!r} in {path}; run `python -m engine retrain` first")
         raise StoreError(f"no controller {name!r} version {version} in {path} (versions: {', '.join(map(str, have))})")
+    metas = [json.loads(r[2]) if r[2] is not None else {} for r in rows]
+    usable = [i for i, (r, m) in enumerate(zip(rows, metas)) if version is not None or r[3] or not _held_back(m)]
+    if not usable:
+        held = ", ".join(f"v{r[0]}" for r in rows)
+        raise StoreError(f"no controller {name!r} to use in {path}: {held} held back by retraining (worse than what "
+                         "they would replace); activate one on the Replay & retrain page or `retrain --activate`")
+    row, meta = rows[usable[0]], metas[usable[0]]
     where = f"controller {name!r} version {row[0]} in {path}"
     if row[1] is None:
         raise StoreError(f"{where} has no params")
-    meta = json.loads(row[2]) if row[2] is not None else {}
     return unpack_params(bytes(row[1]), where), meta
+
+
+def _held_back(meta: dict[str, Any]) -> bool:
+    return bool((meta.get("metrics") or {}).get("shortfalls"))

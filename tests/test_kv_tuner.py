@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import json
+import math
 import sys
 import types
 from pathlib import Path
@@ -410,28 +411,58 @@ def _errors(at: AppTest) -> list[str]:
     return [e.value for e in at.error]
 
 
-def test_page_with_an_empty_database_offers_to_measure(page_env, monkeypatch):
+def test_page_on_a_fresh_database_shows_the_controls_and_the_seed_preset_beside_measure(page_env, monkeypatch):
     at = _page()
-    assert not at.exception and not _errors(at)
+    assert not at.exception and not _errors(at), _errors(at)
     assert at.title[0].value == "KV & prefetch"
     assert at.sidebar.text_input(key="speclab_db").value == str(page_env)  # app.py ran: navigation and sidebar
+    assert not page_env.exists()  # nothing measured, nothing stored: the page only read
+    # Every control at once, at the defaults (bench kv's own, native KV, fp32 as on every other page) ...
+    assert at.selectbox(key="kv_tier").value == "native" and at.toggle(key="kv_coded").value is True
+    assert at.selectbox(key="kv_predictor").value == "q8_0" and at.selectbox(key="kv_window").value == 512
+    assert at.number_input(key="kv_context").value == 2048 and at.select_slider(key="kv_link").value == 1
+    assert at.radio(key="kv_goal").value == "latency" and at.selectbox(key="kv_target_tier").value == "fp32"
+    # ... the measurement offered beside them, saying what the quick run measures ...
     assert len(at.info) == 1 and "No KV measurements for SmolLM2-135M-Instruct" in at.info[0].value
-    assert "python -m engine bench kv" in at.info[0].value
+    assert "python -m engine bench kv" in at.info[0].value and "no acceptance" in at.info[0].value
     assert [b.label for b in at.button] == ["Measure now (about 5 minutes)"]
-    assert not at.dataframe and not at.get("plotly_chart")
+    # ... and the seed preset's recommendation for them.
+    (seed,) = (df.value for df in at.dataframe)
+    assert list(seed.columns) == ["choice", "seed", "why"] and list(seed["choice"]) == ["KV tier", "coding", "W", "γ"]
+    assert list(seed["seed"]) == ["native", "on", "512–1024", "2–4"]  # latency over a 1 Gbit/s (slow) link
+    assert not at.get("plotly_chart")
+
+    at.radio(key="kv_goal").set_value("memory").run()  # the controls work before any measurement
+    assert not at.exception and not _errors(at)
+    assert at.dataframe[0].value.loc[0, "seed"] == "fp8"
+    at.number_input(key="kv_context").set_value(10**9).run()
+    assert not at.exception and _errors(at) == ["context must be from 1 to 4194304 tokens, got 1000000000"]
+    at.number_input(key="kv_context").set_value(2048).run()
 
     monkeypatch.setitem(sys.modules, MEASURE, None)  # the measurement cannot be imported: one line
     at.button(key="kv_measure").click().run()
     assert not at.exception
     errors = _errors(at)
     assert len(errors) == 1 and errors[0].startswith("cannot load the KV benchmark") and "\n" not in errors[0]
+    assert at.selectbox(key="kv_tier")  # the controls stay
 
     calls: list = []
     monkeypatch.setitem(sys.modules, MEASURE, _fake_measure(calls))
     at.button(key="kv_measure").click().run()
     assert not at.exception and not _errors(at), _errors(at)
     assert calls == [["--db", str(page_env), "--quick"]]
-    assert not at.info and at.dataframe  # measured: the page now shows it
+    assert not at.info and not at.button and len(at.dataframe) == 3  # measured: the page now shows it
+
+
+def test_the_spinner_promises_only_what_the_quick_run_measures():
+    from engine.service.kv_actions import MEASURE_KV_WHAT
+    from engine.service.kv_measure import parse
+
+    quick = parse(["--quick", "--db", ""])
+    assert quick.acceptance_tiers == [] and quick.target_tier == "bf16"
+    assert "no acceptance" in MEASURE_KV_WHAT[True] and "bf16" in MEASURE_KV_WHAT[True]
+    assert "acceptance at fp32 and bf16" in MEASURE_KV_WHAT[False]
+    assert parse(["--db", ""]).acceptance_tiers == ["fp32", "bf16"]
 
 
 def test_page_shows_the_measurement_and_the_recommendation(page_env):
@@ -446,6 +477,13 @@ def test_page_shows_the_measurement_and_the_recommendation(page_env):
     assert len(acceptance) == 6 and set(acceptance["kv_tier"]) == set(KV_TIERS)
     assert list(table.columns) == ["choice", "measured", "seed", "why"]
     assert list(table["choice"]) == ["KV tier", "coding", "W", "γ"]
+    # Acceptance at fp32 by default, the tier every other page starts at (the KV was coded at bf16).
+    assert at.selectbox(key="kv_target_tier").options == ["fp32", "bf16"]
+    assert at.selectbox(key="kv_target_tier").value == "fp32"
+    assert any("the KV coded with the target at bf16" in c.value and "acceptance measured at: fp32, bf16" in c.value
+               for c in at.caption)
+    assert "speculation does not pay" not in " ".join(md.value for md in at.markdown)  # fixed:4 wins at fp32
+    at.selectbox(key="kv_target_tier").set_value("bf16").run()
     assert "speculation does not pay" in " ".join(md.value for md in at.markdown)
 
     at.radio(key="kv_goal").set_value("memory").run()
@@ -482,3 +520,122 @@ def test_page_says_what_a_partial_measurement_lacks(page_env):
     captions = " ".join(c.value for c in at.caption)
     assert "Not in this measurement: restore, by_window, by_context" in captions
     assert "No restore sweep stored." in captions and not at.get("plotly_chart")
+
+
+# -- issue 48: the page's figures -----------------------------------------------------------------------
+def _spec(at: AppTest, i: int) -> dict:
+    return json.loads(at.get("plotly_chart")[i].proto.spec)
+
+
+def test_a_quick_measurement_says_where_acceptance_was_measured_and_where_not(page_env):
+    m = synthetic()
+    m["acceptance"] = []  # the quick run's: no acceptance at any tier
+    with Store(page_env) as st:
+        _store(st, m)
+    at = _page()
+    assert not at.exception and not _errors(at), _errors(at)
+    assert at.selectbox(key="kv_target_tier").value == "fp32"
+    captions = [c.value for c in at.caption]
+    assert any(c.startswith("No acceptance in this measurement: the KV was coded with the target at bf16, and the "
+                            "quick run (the page's Measure) skips acceptance") for c in captions)
+    assert len(at.dataframe) == 2  # sizes and the recommendation: no empty acceptance table
+
+    m = synthetic()
+    m["acceptance"] = [r for r in m["acceptance"] if r["target_tier"] == "bf16"]
+    assert F.acceptance_note(m, "fp32") == ("No acceptance at fp32 in this measurement, only at bf16 (the KV coded at "
+                                            "bf16); `python -m engine bench kv --acceptance-tiers fp32` measures it.")
+    assert F.acceptance_note(m, "bf16") is None and F.acceptance_tiers(m) == ["bf16"]
+
+
+def test_code_once_times_the_encode_without_its_own_predictor(monkeypatch):
+    """Issue 48's Encode 2.36e+10 MB/s beside a decode of 21.9: the encode's wall time less the
+    *restore's* μ seconds, which can exceed a fast encode's whole time, floored at 1e-9 s: 23.6 MB
+    of bf16 KV / 1e-9 s = 2.36e10 MB/s. The encode is now timed less its own μ calls."""
+    import time
+
+    import engine.runtime.kv.offload as O
+    from engine.service import kv_measure
+
+    raw = 1_000_000
+
+    class Mu:
+        tier, read = "native", 0
+
+        def next(self, ids):
+            time.sleep(0.05)  # the predictor, during the encode
+            return ids
+
+    class Off:
+        raw_bytes, stored_bytes, sizes = raw, raw // 4, [raw // 4]
+
+    def offload(kv, ids, tier, slow, name, window, codec, mu):
+        mu.next(ids)
+        time.sleep(0.01)  # the range coder
+        return Off()
+
+    def restore(off, slow, codec, mu, timing):
+        timing.mu.append(0.2)  # the restore's μ beside the fetch thread: longer than the whole encode
+        timing.decode.append(0.04)
+        return "kv"
+
+    kit = types.SimpleNamespace(mu=lambda tier: Mu(), codec=lambda tier: object())
+    monkeypatch.setattr(O, "offload", offload)
+    monkeypatch.setattr(O, "restore", restore)
+    monkeypatch.setattr(O, "tier_kv", lambda kv, tier: types.SimpleNamespace(equals=lambda other: True,
+                                                                              codes=types.SimpleNamespace(size=raw)))
+    r = kv_measure.code_once("kv", [1, 2, 3], "native", kit, 3)
+    assert r["encode_mu_s"] >= 0.05 and 0.01 <= r["encode_s"] < 0.05
+    assert 1 < r["encode_mb_s"] <= raw / 0.01 / 1e6  # ≤ 100 MB/s, the coder's own time; was 1e15
+    assert r["decode_mb_s"] == pytest.approx(raw / 0.04 / 1e6)
+
+
+def test_page_does_not_show_an_encode_rate_no_clock_could_time(page_env):
+    m = synthetic()
+    nbytes = F.raw_bytes(m)  # 2048 tokens × 11520 scalars × 2 bytes
+    m["encode_mb_s"] = m["predictors"]["q8_0"]["encode_mb_s"] = nbytes / 1e-9 / 1e6  # the old floor's figure
+    assert F.speeds(synthetic())["encode_mb_s"] == 40.0 and F.speeds(m) == {"encode_mb_s": None, "decode_mb_s": 24.0}
+    with Store(page_env) as st:
+        _store(st, m)
+    at = _page()
+    assert not at.exception and not _errors(at), _errors(at)
+    metrics = {x.label: x.value for x in at.metric}
+    assert metrics["Encode MB/s"] == "—" and metrics["Decode MB/s"] == "24"
+    assert any(c.value.startswith("Encode MB/s not shown: 4.72e+10 MB/s would mean the 4.72e+07 bytes took "
+                                  "under 1 µs, which no clock timed") for c in at.caption)
+
+
+def test_chart_labels_sit_on_the_lines_they_name(page_env):
+    """On a log x axis plotly reads an annotation's x as log10(x) but a line's as x: each label is
+    placed at log10 of its line."""
+    with Store(page_env) as st:
+        _store(st, synthetic())
+    at = _page()
+    spec = _spec(at, 0)  # restore vs raw
+    lines = sorted(sh["x0"] for sh in spec["layout"]["shapes"])
+    labels = {a["text"]: a["x"] for a in spec["layout"]["annotations"]}
+    assert lines == [1, 6.1] and set(labels) == {"1 Gbit/s", "break-even 6.1"}
+    assert labels["1 Gbit/s"] == pytest.approx(math.log10(1))
+    assert labels["break-even 6.1"] == pytest.approx(math.log10(6.1))
+    assert spec["layout"]["xaxis"]["type"] == "log"
+
+
+def test_a_flat_ratio_gets_a_sensible_axis_and_its_value_in_words(page_env):
+    m = synthetic()
+    for r in m["by_window"]:  # W does not move the ratio (the README's 4.651 bits at every W)
+        r["native_bits"], r["fp8_bits_coded"] = 4.6214, 1.4
+    m["by_window"][2]["native_bits"] = 4.62141
+    with Store(page_env) as st:
+        _store(st, m)
+    at = _page()
+    assert not at.exception and not _errors(at), _errors(at)
+    spec = _spec(at, 1)  # ratio and throughput vs W
+    ratio = 16 / 4.6214
+    lo, hi = spec["layout"]["yaxis"]["range"]
+    assert lo == 0 and hi == pytest.approx((16 / 1.4) * 1.15)  # from 0, not 3.462–3.46206
+    assert spec["layout"]["yaxis2"]["range"][0] == 0
+    assert any(c.value == f"native coded: {ratio:.3g}× at every W; fp8 coded: {16 / 1.4:.3g}× at every W"
+               for c in at.caption)
+    assert F.axis_range([3.462, 3.46206]) == pytest.approx([0.0, 3.46206 * 1.15])
+    assert F.axis_range([None, float("nan")]) is None and F.axis_range([0.0]) == [0.0, 1.0]
+    assert F.flat_series([{"a": 3.462}, {"a": 3.46206}, {"a": None}], ["a"]) == {"a": pytest.approx(3.46203)}
+    assert F.flat_series([{"a": 3.0}, {"a": 3.5}], ["a"]) == {}

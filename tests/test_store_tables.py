@@ -374,7 +374,7 @@ def test_version_1_file_migrates_and_keeps_its_runs(tmp_path: Path) -> None:
     con = duckdb.connect(str(path), read_only=True)
     try:
         assert con.execute("SELECT schema_version FROM meta").fetchall() == [(SCHEMA_VERSION,)]
-        assert SCHEMA_VERSION == 10
+        assert SCHEMA_VERSION == 11
         cols = [r[0] for r in con.execute("SELECT column_name FROM information_schema.columns WHERE table_name = 'costs'").fetchall()]
         assert "step_factor" in cols  # migration 3: calibrated cost tables
         assert {"prefill_ms", "fill_ms"} <= set(cols)  # migration 4: the prefill, cold and from the prefix cache
@@ -387,6 +387,24 @@ def test_version_1_file_migrates_and_keeps_its_runs(tmp_path: Path) -> None:
         assert {"engine", "engine_version", "config", "ran", "reason", "result"} <= set(checks)  # migration 10
     finally:
         con.close()
+
+
+def test_a_held_back_controller_is_used_only_once_activated() -> None:
+    import numpy as np
+
+    params = {"w": np.ones(2)}
+    good, worse = {"kind": "mlp", "metrics": {"shortfalls": []}}, {"kind": "mlp", "metrics": {"shortfalls": ["x"]}}
+    with Store(":memory:") as st:
+        st.add_controller("speckv", params, dict(worse, n=1), "traces", activate=False)
+        with pytest.raises(StoreError, match="v1 held back by retraining") as e:
+            st.controller("speckv")  # none active, the only one held back: nothing to use
+        assert "\n" not in str(e.value)
+        st.add_controller("speckv", params, dict(good, n=2), "traces", activate=False)
+        st.add_controller("speckv", params, dict(worse, n=3), "traces", activate=False)
+        assert st.controller("speckv")[1]["n"] == 2  # the newest not held back
+        assert st.controller("speckv", 3)[1]["n"] == 3  # asked by version: given
+        st.activate_controller("speckv", 3)
+        assert st.controller("speckv")[1]["n"] == 3  # activated by hand: used
 
 
 def test_export_checks_are_stored_and_read_back_by_engine() -> None:

@@ -12,6 +12,7 @@ import pandas as pd
 import streamlit as st
 
 from engine.service import calibrate_all, replay_rows, retrain, tier_label
+from engine.service.replays import shortfall_text, verdict
 from store import Store
 from views.common import settings, show_error
 
@@ -25,6 +26,9 @@ COMPARED = [("test_corr", "test correlation", "{:.3f}"),
             ("whatif_gain_vs_fixed4", "replay gain vs fixed:4", "{:+.1%}"),
             ("whatif_gain_vs_best_fixed", "replay gain vs the best fixed γ", "{:+.1%}"),
             ("decision_ms_median", "decision latency (ms, median)", "{:.3f}")]
+# Measured against the version active when it was trained: shown for the new version only, since an
+# older version's figure compares it with whatever was active before it.
+VS_ACTIVE = ("whatif_gain_vs_active", "replay gain vs the active version (same prompts)", "{:+.1%}")
 REPORT_KEY, FLASH_KEY = "retrain_report", "retrain_flash"
 
 
@@ -81,6 +85,9 @@ def comparison(report: dict, active: dict | None) -> pd.DataFrame:
         m = _metrics(active["meta"])
         cols[f"active: speckv v{int(active['version'])}"] = dict(m, source=m.get("source", active["source"]))
     rows = [(label, {c: _cell(m, key, fmt) for c, m in cols.items()}) for key, label, fmt in COMPARED]
+    key, label, fmt = VS_ACTIVE
+    if report["metrics"].get(key) is not None:
+        rows.append((label, {c: _cell(m, key, fmt) if c == new_col else "—" for c, m in cols.items()}))
     rows += [("trained on", {c: str(m.get("source", "—")) for c, m in cols.items()}),
              ("gain measured by", {c: str(m.get("whatif_kind", "—")) for c, m in cols.items()}),
              ("examples (train / test)",
@@ -103,7 +110,7 @@ def train(db: str, source: str) -> None:
         show_error(e)
         return
     st.session_state[REPORT_KEY] = dict(db=db, source=source, version=r.version, rf_version=r.rf_version,
-                                        metrics=r.to_dict())
+                                        metrics=r.to_dict(), verdict=verdict(r))
     _flash("success", f"speckv v{r.version} (and speckv-rf v{r.rf_version}) trained from {source}; not active "
                       f"yet: compare it below, then activate it or not")
 
@@ -135,9 +142,26 @@ def retrain_section(db: str, controllers: pd.DataFrame) -> None:
     if active is not None and int(active["version"]) == report["version"]:
         st.caption(f"speckv v{report['version']} is the active version.")
         return
-    if active is None:
-        st.caption("No version is active yet: until one is, speckv uses the newest stored version.")
-    if st.button(f"Activate v{report['version']}", key="retrain_activate"):
+    activate_offer(db, report, active is None)
+
+
+def activate_offer(db: str, report: dict, none_active: bool) -> None:
+    """A plain Activate for a version that is not worse; for one that is (its held-out gain loses to
+    the best fixed γ or the active version, or its test correlation is ≤ 0) the reason beside it and
+    Activate only once the user ticks that they want it anyway: it would make `speckv` worse."""
+    n, why = report["version"], report["metrics"].get("shortfalls") or []
+    if not why:
+        if none_active:
+            st.caption("No version is active yet: until one is, speckv uses the newest version not held back "
+                       "(this one).")
+        if st.button(f"Activate v{n}", key="retrain_activate"):
+            activate(db, report)
+        return
+    because = shortfall_text(why)
+    st.warning(report.get("verdict") or f"speckv v{n} stored, not activated: {because}")
+    # Keyed by version: a tick given for one version never carries over to the next one trained.
+    anyway = st.checkbox(f"Activate v{n} anyway, although {because}", key=f"retrain_confirm_v{n}")
+    if anyway and st.button(f"Activate v{n} anyway", key="retrain_activate"):
         activate(db, report)
 
 

@@ -43,9 +43,12 @@ def cmd_costs(a: argparse.Namespace) -> int:
                 st.add_costs(table.to_rows(a.reps))
         out.append(dict(table.key, buckets=table.buckets, draft_ms=table.draft_ms,
                         verify_ms=table.verify_ms, step_factor=table.step_factor, prefill_ms=table.prefill_ms,
-                        fill_ms=table.fill_ms, cold_read_ms=table.cold_read_ms, warm_read_ms=table.warm_read_ms))
+                        fill_ms=table.fill_ms, cold_read_ms=table.cold_read_ms, warm_read_ms=table.warm_read_ms,
+                        spread=table.spread, busy=table.busy))
         if not a.json:
-            print(f"{pair.target_tier}, KV {kv_tier}: draft {pair.draft_name} ({pair.draft_tier}) on {pair.device}")
+            busy = "" if table.busy is None else f"; other processes {table.busy:.2f} cores while measured"
+            print(f"{pair.target_tier}, KV {kv_tier}: draft {pair.draft_name} ({pair.draft_tier}) on {pair.device} "
+                  f"({table.describe()}{busy})")
             none = [None] * len(table.buckets)
             for b, d, v, p, c, w in zip(table.buckets, table.draft_ms, table.verify_ms, table.prefill_ms or none,
                                         table.cold_read_ms or none, table.warm_read_ms or none):
@@ -116,23 +119,45 @@ def cmd_whatif(a: argparse.Namespace) -> int:
                              "over prompts (default: paper for speckv, else prompt)")),
          ("--sweep", dict(default=None, help="only runs of this profile sweep (source runs)")),
          ("--seed", dict(type=int, default=42)),
+         ("--activate", dict(action="store_true", help="make it the default even if its held-out gain loses to the "
+                             "best fixed γ or the active version, or its test correlation is ≤ 0 (by default such "
+                             "a version is stored inactive)")),
          ("--no-activate", dict(action="store_true", help="store it without making it the default")),
          JSON_ARG, db="DuckDB file")
 def cmd_retrain(a: argparse.Namespace) -> int:
     from engine.service import retrain
+    from engine.service.replays import verdict
     from store import Store
 
+    activate = _activation(a)  # a contradiction fails before the store is opened
     with Store(a.db) as st:
-        r = retrain(st, a.source, a.protocol, a.seed, a.sweep, activate=not a.no_activate)
+        r = retrain(st, a.source, a.protocol, a.seed, a.sweep, activate=activate)
+    line = verdict(r)
+    if line and not r.activated:  # said, never silent: how to override it
+        line += "; `--activate` makes it active anyway"
     if a.json:
         print(json.dumps(r.to_dict()))
+        if line:
+            say(line)
         return 0
-    print(f"speckv v{r.version} ({r.source}, {r.protocol} split: {r.n_train} train / {r.n_test} test rows)\n"
+    state = "active" if r.activated else "not active"
+    print(f"speckv v{r.version} ({r.source}, {r.protocol} split: {r.n_train} train / {r.n_test} test rows; {state})\n"
           f"  MLP(16)  test corr {r.test_corr:.3f}  MSE {r.test_mse:.4f}  decision {r.decision_ms_median:.4f} ms (median)\n"
           f"  RF(100)  test corr {r.rf_test_corr:.3f}  MSE {r.rf_test_mse:.4f}  decision {r.rf_decision_ms_median:.3f} ms\n"
           f"  what-if ({r.whatif_kind}): {r.whatif_gain_vs_fixed4:+.1%} vs fixed:4, "
-          f"{r.whatif_gain_vs_best_fixed:+.1%} vs the best fixed γ\n  {json.dumps(r.whatif)}")
+          f"{r.whatif_gain_vs_best_fixed:+.1%} vs the best fixed γ"
+          + (f", {r.whatif_gain_vs_active:+.1%} vs the active v{r.active_version}" if r.whatif_gain_vs_active is not None else "")
+          + f"\n  {json.dumps(r.whatif)}")
+    if line:
+        print(line)
     return 0
+
+
+def _activation(a: argparse.Namespace) -> bool | None:
+    """`retrain`'s activate: forced on or off by a flag, else None (the service's rule)."""
+    if a.activate and a.no_activate:
+        raise ValueError("--activate and --no-activate contradict each other: pass one of them")
+    return True if a.activate else False if a.no_activate else None
 
 
 @command("profile", "sweep prompts × target tiers × KV tiers × policies live; every run and step stored", TIERS_ARG,

@@ -13,6 +13,16 @@ from store import Store
 # -- KV tuning (engine/service/kv_tuner.py) and measurement (bench/kv.py) ------------------------------------
 # Rough wall time of `bench kv` on this project's 2-core CPU, for the page's button (quick / full).
 MEASURE_KV_MINUTES = {True: 5, False: 30}
+# What each run measures, for the page's spinner: it must not promise what the result will not hold
+# (the quick run, kv_measure's `--quick`, skips acceptance and codes the KV at bench kv's bf16).
+MEASURE_KV_WHAT = {True: "the KV codec (q8_0 predictor) and restores, the target at bf16; no acceptance "
+                         "(the quick run)",
+                   False: "the KV codec, restores, and acceptance at fp32 and bf16"}
+# The page's controls before anything is measured: `bench kv`'s own defaults (kv_measure's parse:
+# 2048 tokens, W 512 within its W sweep, its predictors), the model's own KV dtype (native), the
+# weight tier every other page starts at (fp32) and a 1 Gbit/s link.
+KV_DEFAULTS: dict[str, Any] = dict(kv_tier="native", coded=True, predictors=("q8_0", "int8", "nf4"), window=512,
+                                   windows=(256, 512, 1024, 2048), context=2048, link_gbit_s=1.0, target_tier="fp32")
 
 
 def latest_kv_measurement(db: str, target: str | None, target_tier: str | None = None
@@ -69,6 +79,15 @@ def format_tune(out: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def seed_view(context: int, link_gbit_s: float, goal: str) -> dict[str, Any]:
+    """What the KV & prefetch page shows before any measurement: the seed notes' preset for these
+    inputs (choice | seed | why). ValueError for bad inputs, in one line."""
+    from engine.service import kv_seed
+
+    seed = kv_seed.seed_preset(context, link_gbit_s, goal)
+    return dict(seed=seed.as_dict(), table=kv_seed.seed_rows(seed))
+
+
 def kv_view(row: dict, kv_tier: str, coded: bool, predictor: str | None, window: int, context: int,
             link_gbit_s: float, goal: str, target_tier: str | None = None) -> dict[str, Any]:
     """What the KV & prefetch page draws for one stored row and its inputs: bits per tier × coding,
@@ -90,16 +109,22 @@ def kv_view(row: dict, kv_tier: str, coded: bool, predictor: str | None, window:
     ours, seed, contra = tuner.tune_row(row, context, link_gbit_s, goal, target_tier)
     cost, cost_notes = kv_figures.tier_cost(m, kv_tier, predictor, window)
     restore = {k: kv_figures.restore_seconds(cost, context, w, link_gbit_s, k) for k in (True, False)}
+    by_window, by_context = kv_figures.window_rows(m, kv_tier, context, link_gbit_s), kv_figures.context_rows(m)
+    ratios = [f"{t} coded ×" for t in KV_TIERS]
     return dict(
         bits=kv_figures.bits_rows(m, predictor), speeds=kv_figures.speeds(m, predictor),
         restore=kv_figures.restore_rows(m, kv_tier, predictor, w, context),
         breakeven=dict(measured=kv_figures.measured_breakeven(m, kv_tier), modelled=kv_figures.modelled_breakeven(cost, context, w)),
-        by_window=kv_figures.window_rows(m, kv_tier, context, link_gbit_s), by_context=kv_figures.context_rows(m),
+        by_window=by_window, by_context=by_context,
         acceptance=kv_figures.acceptance_rows(m),
         chosen=dict(kv_tier=kv_tier, coded=coded, window=w, bits=kv_figures.bits(m, kv_tier, coded, predictor),
                     restore_s=restore[coded], other_s=restore[not coded]),
         ours=ours.as_dict(), seed=seed.as_dict(), table=kv_seed.comparison_rows(ours, seed), contradictions=contra,
-        missing=kv_figures.missing(m), notes=notes + cost_notes + list(ours.notes),
+        missing=kv_figures.missing(m),
+        notes=notes + cost_notes + kv_figures.speed_notes(m, predictor) + list(ours.notes),
+        acceptance_note=kv_figures.acceptance_note(m, target_tier), acceptance_tiers=kv_figures.acceptance_tiers(m),
+        flat=dict(by_window=kv_figures.flat_series(by_window, ratios),
+                  by_context=kv_figures.flat_series(by_context, ratios)),
     )
 
 

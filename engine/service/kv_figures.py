@@ -7,7 +7,7 @@ import math
 from dataclasses import dataclass
 from typing import Any, Mapping
 
-from engine.base.names import KV_TIERS
+from engine.base.names import KV_TIERS, WEIGHT_TIERS
 from engine.runtime.kv.pipeline import crossing_gbit_s, pipelined_seconds
 
 GOALS = ("latency", "memory")
@@ -78,10 +78,67 @@ def zstd_bits(m: Mapping, tier: str) -> float | None:
     return num(m, f"zstd19_{tier}_bits")
 
 
+# A rate whose bytes would have taken less than this cannot have been timed: megabytes of KV are not
+# range-coded in a microsecond. A stored measurement may still hold one (an encode time less another
+# pass's μ seconds, floored at 1e-9 s), and a page must not show it.
+MIN_TIMED_S = 1e-6
+
+
+def raw_bytes(m: Mapping) -> float | None:
+    """The raw bytes of native KV a measurement coded at its main context (what its MB/s divide)."""
+    per_token, tokens = num(mapping(mapping(m, "tiers"), "native"), "bytes_per_token"), num(m, "context_tokens")
+    return per_token * tokens if per_token is not None and tokens is not None else None
+
+
+def timed_rate(m: Mapping, mb_s: float | None) -> bool:
+    """Whether `mb_s` could have been timed: its bytes took at least MIN_TIMED_S (True when the
+    bytes are not stored: nothing to hold it against)."""
+    nbytes = raw_bytes(m)
+    return mb_s is None or nbytes is None or mb_s <= 0 or nbytes / (mb_s * 1e6) >= MIN_TIMED_S
+
+
 def speeds(m: Mapping, predictor: str | None = None) -> dict[str, float | None]:
-    """Encode/decode MB/s of the predictor (default the measured best's headline figures)."""
+    """Encode/decode MB/s of the predictor (default the measured best's headline figures); a rate
+    that no clock could have timed (`timed_rate`) is None, not a figure."""
     p = mapping(mapping(m, "predictors"), predictor) if predictor and predictor != m.get("best_predictor") else {}
-    return {k: num(p, k) if p else num(m, k) for k in ("encode_mb_s", "decode_mb_s")}
+    out = {k: num(p, k) if p else num(m, k) for k in ("encode_mb_s", "decode_mb_s")}
+    return {k: v if timed_rate(m, v) else None for k, v in out.items()}
+
+
+def speed_notes(m: Mapping, predictor: str | None = None) -> list[str]:
+    """Why a stored MB/s is not shown (see `speeds`)."""
+    p = mapping(mapping(m, "predictors"), predictor) if predictor and predictor != m.get("best_predictor") else {}
+    p = p or m  # as `speeds` reads it
+    return [f"{name} MB/s not shown: {fmt(num(p, key))} MB/s would mean the {fmt(raw_bytes(m))} bytes took under "
+            f"{MIN_TIMED_S * 1e6:g} µs, which no clock timed (the encode was timed less the restore's predictor "
+            "seconds); measure again for the figure"
+            for key, name in (("encode_mb_s", "Encode"), ("decode_mb_s", "Decode")) if not timed_rate(m, num(p, key))]
+
+
+def axis_range(values: list[float | None], pad: float = 0.15) -> list[float] | None:
+    """A y range for a series of non-negative figures (ratios, MB/s): from 0 to `pad` above the
+    largest, so that a flat series draws as a flat line rather than plotly's autorange zooming
+    into its last digits (3.462–3.46206); None when there is nothing finite to show."""
+    xs = [v for v in values if v is not None and math.isfinite(v)]
+    if not xs:
+        return None
+    lo, hi = min(xs), max(xs)
+    if lo < 0:  # not a magnitude: pad around it instead
+        half = max((hi - lo) / 2, abs(hi + lo) / 2 * 0.05, 1e-9) * (1 + pad)
+        return [(hi + lo) / 2 - half, (hi + lo) / 2 + half]
+    return [0.0, hi * (1 + pad) if hi > 0 else 1.0]
+
+
+def flat_series(rows: list[Mapping], keys: list[str], rel: float = 0.005) -> dict[str, float]:
+    """The series (columns of `rows`) that do not move by more than `rel` of their size: worth a
+    word ("3.46× at every W") beside the chart, since a line cannot say it changes nothing."""
+    out = {}
+    for k in keys:
+        xs = [num(r, k) for r in rows]
+        xs = [x for x in xs if x is not None]
+        if len(xs) > 1 and max(xs) - min(xs) <= rel * max(abs(x) for x in xs):
+            out[k] = sum(xs) / len(xs)
+    return out
 
 
 def ratio_of(a: float | None, b: float | None) -> float | None:
@@ -210,6 +267,28 @@ def acceptance_rows(m: Mapping) -> list[dict[str, Any]]:
                         best_gamma=num(r, "best_gamma"), best_vs_ar=num(r, "best_vs_ar"),
                         **{f"tok/s {k}": v for k, v in tps.items()}))
     return out
+
+
+def acceptance_tiers(m: Mapping) -> list[str]:
+    """The weight tiers a measurement holds acceptance at, in WEIGHT_TIERS order."""
+    have = {r.get("target_tier") for r in rows_of(m, "acceptance")}
+    others = sorted(t for t in have if isinstance(t, str) and t not in WEIGHT_TIERS)
+    return [t for t in WEIGHT_TIERS if t in have] + others
+
+
+def acceptance_note(m: Mapping, target_tier: str | None) -> str | None:
+    """Why there is no acceptance to show at `target_tier`, naming the tiers there is one at and
+    the tier the KV was coded at (a quick measurement skips acceptance: `--quick`)."""
+    have, coded_at = acceptance_tiers(m), m.get("target_tier") or "an unnamed tier"
+    if not have:
+        return (f"No acceptance in this measurement: the KV was coded with the target at {coded_at}, and the "
+                "quick run (the page's Measure) skips acceptance to stay near its minutes; "
+                "`python -m engine bench kv` measures it at fp32 and bf16.")
+    if target_tier and target_tier not in have:
+        return (f"No acceptance at {target_tier} in this measurement, only at {', '.join(have)} "
+                f"(the KV coded at {coded_at}); `python -m engine bench kv --acceptance-tiers {target_tier}` "
+                "measures it.")
+    return None
 
 
 def acceptance_at(m: Mapping, target_tier: str) -> dict[str, Mapping]:

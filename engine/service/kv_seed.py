@@ -215,17 +215,24 @@ def contradictions(ours: Recommendation, seed: Recommendation) -> list[str]:
             + _contradict_window(ours, seed) + _contradict_gamma(ours, seed))
 
 
-def comparison_rows(ours: Recommendation, seed: Recommendation) -> list[dict[str, str]]:
-    """The two-column table: choice | measured | seed | why (ours)."""
+def _cells() -> dict[str, tuple[str, Callable[[Recommendation], str]]]:
+    """Row label → (`why` key, the cell's text of a recommendation)."""
     def coding(r: Recommendation) -> str:
         return "on" if r.coded else "off"
 
     def window(r: Recommendation) -> str:
         return f"{r.window_range[0]}–{r.window_range[1]}" if r.window_range else str(r.window)
 
-    cells: dict[str, tuple[str, Callable[[Recommendation], str]]] = {
-        "KV tier": ("kv_tier", lambda r: r.kv_tier), "coding": ("coded", coding), "W": ("window", window),
-        "γ": ("gamma", lambda r: _gamma_text(r.gamma_lo, r.gamma_hi)),
-    }
+    return {"KV tier": ("kv_tier", lambda r: r.kv_tier), "coding": ("coded", coding), "W": ("window", window),
+            "γ": ("gamma", lambda r: _gamma_text(r.gamma_lo, r.gamma_hi))}
+
+
+def comparison_rows(ours: Recommendation, seed: Recommendation) -> list[dict[str, str]]:
+    """The two-column table: choice | measured | seed | why (ours)."""
     return [dict(choice=name, measured=fn(ours), seed=fn(seed), why=ours.why.get(key, ""))
-            for name, (key, fn) in cells.items()]
+            for name, (key, fn) in _cells().items()]
+
+
+def seed_rows(seed: Recommendation) -> list[dict[str, str]]:
+    """The seed preset alone, before anything is measured: choice | seed | why (the seed's rule)."""
+    return [dict(choice=name, seed=fn(seed), why=seed.why.get(key, "")) for name, (key, fn) in _cells().items()]

@@ -17,7 +17,7 @@ as the reference."""
 from __future__ import annotations
 
 import random
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 
 import numpy as np
 import pandas as pd
@@ -212,10 +212,13 @@ def predictor_scored(pred: Predictor, x: np.ndarray, tiers: np.ndarray) -> dict:
     table = np.column_stack([est[g] for g in PAPER_CANDIDATES])  # [N, 4]
     chosen = table.max(axis=1)
     best_fixed = np.zeros(len(x))
-    for tier in set(tiers):
+    best_gamma: dict[str, str] = {}  # named, so that a verdict can say which fixed γ beat the controller
+    for tier in sorted(set(tiers)):
         rows = tiers == tier
-        best_fixed[rows] = table[rows][:, int(np.argmax(table[rows].mean(axis=0)))]
+        col = int(np.argmax(table[rows].mean(axis=0)))
+        best_fixed[rows], best_gamma[str(tier)] = table[rows][:, col], f"fixed:{PAPER_CANDIDATES[col]}"
     return dict(speckv=float(chosen.mean()), fixed4=float(est[4].mean()), best_fixed=float(best_fixed.mean()),
+                best_fixed_policy=best_gamma,
                 gain_vs_fixed4=float(chosen.mean() / est[4].mean() - 1), gain_vs_best_fixed=float(chosen.mean() / best_fixed.mean() - 1))
 
 
@@ -247,9 +250,54 @@ class Report:
     whatif: dict
     version: int | None = None
     rf_version: int | None = None
+    # The version `speckv` ran before this one was stored, and the new one's gain over it on the
+    # same held-out data (None: no active version, or none that could be scored on this data).
+    active_version: int | None = None
+    whatif_gain_vs_active: float | None = None
+    activated: bool = False
+    shortfalls: list[str] = field(default_factory=list)  # why it would make `speckv` worse; [] if it would not
 
     def to_dict(self) -> dict:
         return asdict(self)
+
+
+def _pct(x: float) -> str:
+    """A loss as a percentage a reader can act on: whole percents, a decimal below 10 %."""
+    return f"{abs(x):.0%}" if abs(x) >= 0.095 else f"{abs(x):.1%}"
+
+
+def _best_fixed_name(whatif: dict) -> str:
+    """The best fixed γ the gain was measured against, per tier when there are several."""
+    best = whatif.get("best_fixed") if isinstance(whatif.get("best_fixed"), dict) else whatif.get("best_fixed_policy")
+    if not isinstance(best, dict) or not best:
+        return ""
+    if len(set(best.values())) == 1:
+        return f" ({next(iter(best.values()))})"
+    return " (" + ", ".join(f"{p} at {t}" for t, p in sorted(best.items())) + ")"
+
+
+def shortfalls(r: Report) -> list[str]:
+    """Why making this version active would make `speckv` worse, one clause each (empty: it
+    would not): its held-out gain is below the best fixed γ or below the active version's on the
+    same data, or its test correlation is ≤ 0 (undefined counts: a constant prediction ranks
+    nothing). A controller that loses to a fixed γ is worth less than `fixed:k` itself."""
+    what = "held-out replay" if r.whatif_kind == "exact replay" else "predictor-scored held-out gain"
+    out = []
+    if r.whatif_gain_vs_best_fixed < 0:
+        out.append(f"its {what} is {_pct(r.whatif_gain_vs_best_fixed)} below the best fixed γ{_best_fixed_name(r.whatif)}")
+    if r.whatif_gain_vs_active is not None and r.whatif_gain_vs_active < 0:
+        out.append(f"its {what} is {_pct(r.whatif_gain_vs_active)} below the active v{r.active_version}'s on the "
+                   "same prompts")
+    if not np.isfinite(r.test_corr):
+        out.append("its test correlation is undefined (one predicted rate for every test row)")
+    elif r.test_corr <= 0:
+        out.append(f"its test correlation is {r.test_corr:.2f}")
+    return out
+
+
+def joined(clauses: list[str]) -> str:
+    """`a`, `a and b`, `a, b and c`: the clauses of one sentence."""
+    return clauses[0] if len(clauses) == 1 else ", ".join(clauses[:-1]) + " and " + clauses[-1]
 
 
 def train(ex: Examples, protocol: str, seed: int = 42) -> tuple[Predictor, Predictor, dict]:
