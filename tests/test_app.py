@@ -2,12 +2,14 @@
 from __future__ import annotations
 
 import json
+import re
 import time
 
 import pytest
 from streamlit.testing.v1 import AppTest
 
 from apptest import APP, _app, _errors, open_page, press_generate, store_costs_and_traces  # noqa: F401 - the fixture app_env comes from conftest
+from engine.decode.costs import CostTable
 from store import Store
 
 
@@ -102,8 +104,17 @@ def test_cost_aware_policies_run_live_and_say_what_they_miss(app_env):
     at.run()
     assert any("cost table measured for" in c.value for c in at.caption)
     press_generate(at)  # the next run reads the stored table
-    why = at.dataframe[0].value["why"].tolist()
+    shown = at.dataframe[0].value
+    why = shown["why"].tolist()
     assert not any("probed" in w for w in why), why
+    # The figures a `why` gives are the stored table's: its plain step at the step's context.
+    with Store(app_env) as store:
+        table = CostTable.from_rows(store.costs().to_dict("records"))
+    plain = [(re.search(r"vs ([\d.]+) plain|\(([\d.]+) ms/token\)", w), c)
+             for w, c in zip(why[1:], shown["context_len"].tolist()[1:])]
+    plain = [(m, c) for m, c in plain if m]  # a probe's or a skipped draft's why gives no plain figure
+    assert plain, why
+    assert all(float(m.group(1) or m.group(2)) == round(table.step_ms(0, c), 1) for m, c in plain), (why, table)
     at.text_input(key="live_policy_spec").set_value("speckv")  # no controller trained yet
     press_generate(at)
     errors = _errors(at)
