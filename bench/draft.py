@@ -343,7 +343,8 @@ def measure(load: Callable[[str, bool | None], ModelPair], settings: list[tuple[
         if first:  # what the pair is, and the draft model's own figures, once
             p0 = pairs[labels[0]]
             res.update(target=p0.target_name, draft=p0.draft_name, draft_tier=p0.draft_tier, eagle=p0.eagle_name or None,
-                       device=str(p0.device), threads=torch.get_num_threads(), proposers_available=list(available(p0)))
+                       device=str(p0.device), threads=torch.get_num_threads(), proposers_available=list(available(p0)),
+                       kernels=kernel_report(p0))
         timed = [encode_prompt(pairs[labels[0]].tokenizer, p, chat=True) for _, p in timed_prompts]
         if warm is None and opts.suffix_history > 0 and "suffix" in _proposers(pairs[labels[0]], opts):
             say(f"suffix: the warm history, outputs of {opts.suffix_history} untimed prompt(s) per task…")
@@ -379,6 +380,19 @@ def measure(load: Callable[[str, bool | None], ModelPair], settings: list[tuple[
     res.update(headline(res))
     res["elapsed_s"] = time.perf_counter() - t_start
     return res
+
+
+def kernel_report(pair: ModelPair) -> dict:
+    """The verify kernels this machine's probe chose for the target (runtime/kernel_probe.py):
+    per weight shape and row count the choice and its time against stock, with the CPU's name."""
+    from engine.runtime.kernel_probe import cpu_name, table_of
+
+    table = table_of(pair.target)
+    if table is None:
+        return dict(cpu=cpu_name(), kernel_set=pair.kernel_set or None, rows=[])
+    rows = table.rows()
+    return dict(cpu=table.machine.cpu, threads=table.machine.threads, kernel_set=table.kernel_set, rows=rows,
+                never_slower_than_stock=all(r["vs_stock"] <= 1.0 for r in rows))
 
 
 def _draft_figures(pair: ModelPair, prompts, timed_prompts, results, where: str, opts: Options) -> dict:
@@ -465,6 +479,11 @@ def main(argv: list[str] | None = None) -> int:
 
     res = measure(load, settings, opts)
     print(json.dumps(res, default=str) if a.json else format_report(res))
+    same = res["exact_identical_to_hf_generate"]
+    if same is not None and same < 1.0:
+        print(f"error: an exact setting's output differs from HF generate's (identical on {same:.0%} of runs "
+              "at the worst policy): see first_divergence", file=sys.stderr)
+        return 1
     return 0
 
 

@@ -12,6 +12,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("SPECLAB_BUSY_CORES", "inf")
 # The CLI's prefix disk tier writes beside the user's converted models; the suite's runs write here.
 os.environ.setdefault("SPECLAB_PREFIX_DIR", tempfile.mkdtemp(prefix="speclab-prefix-kv-"))
+os.environ.setdefault("SPECLAB_KERNEL_DIR", tempfile.mkdtemp(prefix="speclab-kernels-"))  # each run probes anew
 # Under pytest-xdist (`make test`) the cores are shared out among the workers, before torch is
 # imported and for every process a test starts (CLI runs, the app server, Ray's workers): two
 # processes with a thread per core each would contend for both cores and slow each other tenfold.

@@ -192,3 +192,19 @@ def test_a_disk_hit_cuts_the_embedded_targets_ttft(tmp_path):
     assert cold["prefix_hit"] == "miss" and warm["reused_tokens"] > 600
     assert warm["token_ids"] == cold["token_ids"]
     assert warm["ttft_ms"] * 3 <= cold["ttft_ms"]
+
+
+def test_kernels_prints_this_machines_choice_per_shape_and_row_count(tiny_dirs, tmp_path):
+    from engine.runtime.kernel_probe import ROWS, cpu_name
+
+    target, draft = tiny_dirs
+    env = {**os.environ, "SPECLAB_KERNEL_DIR": str(tmp_path)}
+    cmd = [sys.executable, "-m", "engine", "kernels", "--target", str(target), "--draft", str(draft),
+           "--tiers", "fp32,bf16", "--json"]
+    out = json.loads(subprocess.run(cmd, capture_output=True, text=True, timeout=180, env=env, check=True).stdout)
+    fp32, bf16 = out
+    assert fp32["cpu"] == cpu_name() and fp32["kernel_set"] and bf16["rows"] == [] and bf16["note"]
+    shapes = {r["shape"] for r in fp32["rows"]}
+    assert len(fp32["rows"]) == len(shapes) * len(ROWS)
+    assert all(r["kernel"] in ("stock", "mm", "onednn") and r["vs_stock"] <= 1.0 for r in fp32["rows"])
+    assert list(tmp_path.glob("*.json"))  # cached: the next load reads it

@@ -289,6 +289,23 @@ def test_a_probe_prices_every_proposer_in_seconds_and_is_never_stored(tiny_pair)
         p.to_rows(3)
 
 
+def test_a_cost_table_names_its_kernels_and_one_measured_under_others_is_not_read(tiny_dirs, tiny_pair, monkeypatch):
+    from engine.runtime.models import load_pair
+    from engine.service.cost_tables import cost_key, cost_table, stored_costs
+    from store import Store
+
+    table = measure_costs(tiny_pair, buckets=(8,), reps=2)
+    assert tiny_pair.kernel_set and table.key["device"] == f"cpu [kernels {tiny_pair.kernel_set}]"
+    monkeypatch.setenv("SPECLAB_KERNELS", "mm")  # the same pair, its verifies read through other kernels
+    other = load_pair(*map(str, tiny_dirs), target_tier="fp32", device="cpu")
+    assert other.kernel_set == "mm" and cost_key(other) != cost_key(tiny_pair)
+    with Store(":memory:") as st:
+        st.add_costs(table.to_rows(2))
+        assert stored_costs(st, cost_key(tiny_pair)) is not None and stored_costs(st, cost_key(other)) is None
+        assert cost_table(st, other, context=8, measure=False).source == "probe"  # never the other kernels
+        assert len(st.costs()) == len(table.to_rows(2))  # and nothing stored changed
+
+
 def test_calibration_scales_each_draft_length_to_its_live_steps():
     from engine.decode.costs import CALIBRATE_MIN, calibrate
     from store import Store

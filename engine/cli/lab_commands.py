@@ -13,6 +13,38 @@ from engine.service.options import KV_TIERS_ARG, exact_verify
 
 
 # -- measure, replay, learn ------------------------------------------------------------------------
+@command("kernels", "this machine's verify kernels: each chosen per weight shape and row count by a probe",
+         TIERS_ARG, JSON_ARG, models=True)
+def cmd_kernels(a: argparse.Namespace) -> int:
+    from engine.runtime.kernel_probe import table_of
+    from engine.service import parse_tiers
+
+    out = []
+    for pair in pairs(a, parse_tiers(a.tiers)):
+        table = table_of(pair.target)
+        if table is None:
+            why = "verify reads pinned to one-token steps" if pair.exact_verify else "no few-row kernels apply"
+            out.append(dict(target_tier=pair.target_tier, kernel_set=pair.kernel_set, rows=[], note=why))
+            if not a.json:
+                print(f"{pair.target_name} ({pair.target_tier}) on {pair.device}: {pair.kernel_set or why}")
+            continue
+        m = table.machine
+        out.append(dict(target_tier=pair.target_tier, kernel_set=table.kernel_set, cpu=m.cpu, threads=m.threads,
+                        torch=m.torch, rows=table.rows()))
+        if a.json:
+            continue
+        print(f"{pair.target_name} ({pair.target_tier}) on {m.cpu}, {m.threads} threads, torch {m.torch}: "
+              f"kernel set {table.kernel_set}")
+        names = list(table.ms[next(iter(table.ms))])
+        print(f"  {'shape':>11} {'rows':>4} {'chosen':>7} " + " ".join(f"{n + ' ms':>10}" for n in names) + "  vs stock")
+        for r in table.rows():
+            print(f"  {r['shape']:>11} {r['rows']:4d} {r['kernel']:>7} "
+                  + " ".join(f"{r[n + '_ms']:10.3f}" for n in names) + f"  {r['vs_stock']:8.3f}")
+    if a.json:
+        print(json.dumps(out))
+    return 0
+
+
 @command("costs", "measure draft/verify costs per tier, KV tier and context (stored)", TIERS_ARG, KV_TIERS_ARG,
          ("--buckets", dict(default=",".join(map(str, CONTEXT_BUCKETS)), help="context lengths to measure at")),
          ("--reps", dict(type=int, default=REPS, help="timed repetitions per point (after warm-up)")),

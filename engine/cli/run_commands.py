@@ -40,7 +40,7 @@ from engine.service.options import KV_TIER_ARG, add_model_args
          models=True, db="DuckDB file for the run; '' stores nothing")
 def cmd_generate(a: argparse.Namespace) -> int:
     from engine.oracles.suffix import check_budget
-    from engine.runtime.models import device_name
+    from engine.runtime.models import pair_device
     from engine.runtime.prefix_cache import PrefixCache
     from engine.runtime.prefix_disk import mib_to_bytes
     from engine.service.runs import Request, check, keep, open_generation, suffix_history
@@ -81,7 +81,7 @@ def cmd_generate(a: argparse.Namespace) -> int:
             stop_reason=s.stop_reason, policy=policy.name, target=pair.target_name,
             draft=pair.draft_name, target_tier=pair.target_tier, draft_tier=pair.draft_tier,
             kv_tier=cfg.kv_tier, kv_bytes_per_token=gen.kv_bytes_per_token,
-            device=device_name(pair.device), seed=gen.seed, run_id=run_id, reused_tokens=s.reused_tokens,
+            device=pair_device(pair), seed=gen.seed, run_id=run_id, reused_tokens=s.reused_tokens,
             prefix_hit=s.prefix_hit, costs=costs, steps=steps)))
     else:
         rate = "–" if s.acceptance_rate is None else f"{s.acceptance_rate:.2f}"

@@ -21,7 +21,7 @@ from engine.runtime.kv.cache import held_bytes_per_token
 from engine.runtime.kv.calibration import CodecKit
 from engine.runtime.kv.offload import Offloaded, SlowTier
 from engine.runtime.kv.tiers import check_tier
-from engine.runtime.models import ModelPair, device_name
+from engine.runtime.models import ModelPair, pair_device
 from engine.runtime.prefix_cache import PrefixCache
 
 
@@ -152,7 +152,7 @@ def run_row(gen: Generation, prompt: str, policy_spec: str, chat: bool, task: st
     assert s is not None, "the generation has not run"
     return dict(
         target=pair.target_name, draft=pair.draft_name, target_tier=pair.target_tier,
-        kv_tier=cfg.kv_tier, device=device_name(pair.device), policy=policy_spec, prompt=prompt, task=task,
+        kv_tier=cfg.kv_tier, device=pair_device(pair), policy=policy_spec, prompt=prompt, task=task,
         chat=chat, temperature=cfg.temperature, top_p=cfg.top_p, seed=gen.seed,
         max_new_tokens=cfg.max_new_tokens,
         output=pair.tokenizer.decode(gen.token_ids, skip_special_tokens=True),

@@ -28,7 +28,7 @@ from engine.oracles.model import DraftModelProposer, TargetVerifier, draft_read,
 from engine.oracles.sampling import Sampler, warp
 from engine.runtime.forward import crop_to, forward_logits, sync_device
 from engine.runtime.kv.cache import new_cache
-from engine.runtime.models import ModelPair, device_name
+from engine.runtime.models import ModelPair, pair_device
 from engine.runtime.prefix_cache import fill, kv_of
 
 
@@ -81,7 +81,7 @@ def trace(pair: ModelPair, prompt: str, task: str | None = None, max_new_tokens:
                  for p, at in enumerate(drafts, start=1) for name, (lookahead, drafted) in at.items()]
     stop = "eos" if verifier.ended else "max_new_tokens" if budget == max_new_tokens else "context"
     row = dict(target=pair.target_name, draft=pair.draft_name, target_tier=pair.target_tier,
-               draft_tier=pair.draft_tier, kv_tier=kv_tier, device=device_name(pair.device), prompt=prompt, task=task, chat=chat,
+               draft_tier=pair.draft_tier, kv_tier=kv_tier, device=pair_device(pair), prompt=prompt, task=task, chat=chat,
                max_new_tokens=max_new_tokens, k_max=k_max, prompt_ids=ids, token_ids=out,
                stop_reason=stop, config=dict(temperature=temperature, proposers=list(props)))
     if "suffix" in props:
@@ -207,7 +207,7 @@ def _measure_costs(pair: ModelPair, buckets: tuple[int, ...], reps: int, progres
             other_ms[name].append(ms[K_MAX + 5 + 3 * i : K_MAX + 8 + 3 * i])
     stored = kv_of(verifier.cache, buckets[-1])
     fill_ms = median_ms(lambda: fill(new_cache(pair.target, kv_tier), stored, buckets[-1]), reps, WARMUP, sync) / buckets[-1]
-    key = dict(device=device_name(dev), target=pair.target_name, draft=pair.draft_name,
+    key = dict(device=pair_device(pair), target=pair.target_name, draft=pair.draft_name,
                target_tier=pair.target_tier, draft_tier=pair.draft_tier, kv_tier=kv_tier)
     return monotone(CostTable(list(buckets), draft_ms, verify_ms, key, prefill_ms=prefill_ms, fill_ms=fill_ms,
                               cold_read_ms=cold_read_ms, warm_read_ms=warm_read_ms,
@@ -239,7 +239,7 @@ def probe_costs(pair: ModelPair, kv_tier: str = "native") -> CostTable:
     t = timed_medians(timed, PROBE_REPS, 1, lambda: sync_device(dev), spread_limit=float("inf"))
     at = dict(zip(PROBE_KS, t.medians[1 : 1 + len(PROBE_KS)]))
     verify_ms = [float(np.interp(k, list(at), list(at.values()))) for k in range(K_MAX + 1)]
-    key = dict(device=device_name(dev), target=pair.target_name, draft=pair.draft_name,
+    key = dict(device=pair_device(pair), target=pair.target_name, draft=pair.draft_name,
                target_tier=pair.target_tier, draft_tier=pair.draft_tier, kv_tier=kv_tier)
     drafts = t.medians[1 + len(PROBE_KS):]
     return monotone(CostTable([b], [t.medians[0]], [verify_ms], key, spread=t.spread, source="probe",

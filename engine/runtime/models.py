@@ -24,7 +24,7 @@ from engine.base.names import (
 )
 from engine.runtime import draft_model as draftlib
 from engine.runtime import eagle_head as eaglelib
-from engine.runtime import invariance, verify_kernels
+from engine.runtime import invariance, kernel_probe, verify_kernels
 
 FALLBACK_DRAFT_TIER = "nf4"  # a target without a draft of its own is drafted by itself at nf4
 FLOAT_TIERS = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}  # the rest: bitsandbytes
@@ -51,6 +51,7 @@ class ModelPair:
     exact_verify: bool = False  # verify forwards run batch-invariant (engine/runtime/invariance.py)
     rowwise_linears: int = 0  # target linears found row-variant and run row by row in verify
     fast_verify_linears: int = 0  # target linears given few-row verify kernels (runtime/verify_kernels.py)
+    kernel_set: str = ""  # which kernels they read through: the machine's probe (runtime/kernel_probe.py)
     draft_row_invariant: bool = False  # the draft reads several tokens at once (invariance.make_row_invariant)
     eagle: object | None = None  # the target's feature-level draft head, when one is loaded (proposer "eagle")
     feature_tap: object | None = None  # keeps the target's final-norm states for it (engine/runtime/eagle_head.py)
@@ -101,6 +102,14 @@ def device_name(device: torch.device | str) -> str:
     if device.type != "cuda":
         return str(device)
     return f"cuda ({torch.cuda.get_device_name(device)})"
+
+
+def pair_device(pair: "ModelPair") -> str:
+    """The device a pair's runs, traces and cost tables are recorded under: its name, and on a CPU
+    the verify kernels its target reads through (`[kernels <set>]`), so that a cost table measured
+    under other kernels is measured again, never read, and runs under them are told apart."""
+    name = device_name(pair.device)
+    return f"{name} [kernels {pair.kernel_set}]" if pair.kernel_set else name
 
 
 def _gguf_dir() -> Path:
@@ -268,7 +277,8 @@ def load_pair(
     # by `divergence` instead.
     exact = exact_verify if exact_verify is not None else target_tier in EXACT_VERIFY_TIERS
     rowwise = invariance.make_verify_exact(t_model) if exact else 0
-    fast = verify_kernels.make_verify_fast(t_model) if not exact else 0
+    kernel_set = kernel_probe.make_verify_fast(t_model, progress) if not exact else ""
+    fast = verify_kernels.patched(t_model) if kernel_set else 0
     progress(f"loading draft {draft_name} ({draft_tier})")
     if speclab_draft:  # it shares the target's tokenizer, embedding and LM head
         if draft_tier not in FLOAT_TIERS:
@@ -289,7 +299,8 @@ def load_pair(
         draft_name=draft_name, target_tier=target_tier, draft_tier=draft_tier, vocab_size=vocab,
         eos_ids=eos_ids_of(tokenizer, t_model),
         max_context=int(getattr(t_model.config.get_text_config(), "max_position_embeddings", 1 << 30)),
-        exact_verify=exact, rowwise_linears=rowwise, fast_verify_linears=fast, draft_row_invariant=draft_rowinv,
+        exact_verify=exact, rowwise_linears=rowwise, fast_verify_linears=fast, kernel_set=kernel_set,
+        draft_row_invariant=draft_rowinv,
         draft_vocab=EMBEDDED_DRAFT_VOCAB if speclab_draft and target in (None, "", EMBEDDED) else 0,
         eagle=head, feature_tap=eaglelib.FeatureTap(t_model) if head is not None else None, eagle_name=head_name,
     )

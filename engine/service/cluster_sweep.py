@@ -13,9 +13,9 @@ twice at once); a cell that raises (bad input) is stored as failed with its one-
 the sweep goes on; Stop finishes the cells in flight, Ctrl-C drops them, and every finished cell
 is kept.
 
-Cost tables and runs are keyed by the worker's device name (`runtime.models.device_name`): a heterogeneous cluster keeps
-one table per (pair, tier, KV tier, device) and a learned policy reads the table of the device
-its cell runs on."""
+Cost tables and runs are keyed by the worker's device name and verify kernels
+(`runtime.models.pair_device`): a heterogeneous cluster keeps one table per (pair, tier, KV tier,
+device) and a learned policy reads the table of the device its cell runs on."""
 from __future__ import annotations
 
 import os
@@ -79,10 +79,10 @@ class Worker:
     def describe(self, tier: str) -> dict:
         """Loads `tier`'s pair (a bad model fails now, in one line) and says what runs here."""
         from engine.oracles import available
-        from engine.runtime.models import device_name
+        from engine.runtime.models import pair_device
 
         pair = self._pair(tier)
-        return dict(pid=os.getpid(), host=socket.gethostname(), device=device_name(pair.device),
+        return dict(pid=os.getpid(), host=socket.gethostname(), device=pair_device(pair),
                     target=pair.target_name, draft=pair.draft_name, draft_tier=pair.draft_tier,
                     proposers=list(available(pair)))
 

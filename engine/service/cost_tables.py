@@ -29,9 +29,9 @@ def key_of(**fields: str) -> tuple:
 
 def cost_key(pair, kv_tier: str = "native") -> tuple:
     """What a cost table is measured for: this pair on its device, at its tiers and `kv_tier`."""
-    from engine.runtime.models import device_name  # a loaded pair: torch is there already
+    from engine.runtime.models import pair_device  # a loaded pair: torch is there already
 
-    return key_of(device=device_name(pair.device), target=pair.target_name, draft=pair.draft_name,
+    return key_of(device=pair_device(pair), target=pair.target_name, draft=pair.draft_name,
                   target_tier=pair.target_tier, draft_tier=pair.draft_tier, kv_tier=kv_tier)
 
 
