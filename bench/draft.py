@@ -54,6 +54,7 @@ from engine.runtime.forward import sync_device
 from engine.runtime.kv.cache import new_cache
 from engine.runtime.models import EXACT_VERIFY_TIERS, ModelPair, load_pair
 from engine.runtime.verify_kernels import stock_kernels
+from engine.service.kernels import kernel_report
 from engine.service.options import add_model_args
 from engine.service.runs import Request, greedy_history, open_generation
 
@@ -380,19 +381,6 @@ def measure(load: Callable[[str, bool | None], ModelPair], settings: list[tuple[
     res.update(headline(res))
     res["elapsed_s"] = time.perf_counter() - t_start
     return res
-
-
-def kernel_report(pair: ModelPair) -> dict:
-    """The verify kernels this machine's probe chose for the target (runtime/kernel_probe.py):
-    per weight shape and row count the choice and its time against stock, with the CPU's name."""
-    from engine.runtime.kernel_probe import cpu_name, table_of
-
-    table = table_of(pair.target)
-    if table is None:
-        return dict(cpu=cpu_name(), kernel_set=pair.kernel_set or None, rows=[])
-    rows = table.rows()
-    return dict(cpu=table.machine.cpu, threads=table.machine.threads, kernel_set=table.kernel_set, rows=rows,
-                never_slower_than_stock=all(r["vs_stock"] <= 1.0 for r in rows))
 
 
 def _draft_figures(pair: ModelPair, prompts, timed_prompts, results, where: str, opts: Options) -> dict:

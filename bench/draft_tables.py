@@ -244,7 +244,7 @@ def format_report(res: dict) -> str:
              f"{res['repeats']} repeat(s); {res['elapsed_s']:.0f} s"]
     k = res.get("kernels") or {}
     if k.get("rows"):
-        lines.append(f"verify kernels on {k['cpu']} ({k['threads']} threads), kernel set {k['kernel_set']}: "
+        lines.append(f"verify kernels on {k['cpu']} ({k['threads']} threads, torch {k['torch']}), kernel set {k['kernel_set']}: "
                      "chosen per shape and row count, ms against stock")
         for shape in dict.fromkeys(r["shape"] for r in k["rows"]):
             lines.append(f"  {shape:>11} " + "  ".join(

@@ -77,3 +77,16 @@ def test_a_second_start_while_one_runs_is_one_line(app_env):
     at.run()
     assert not at.exception and not _errors(at)
     assert "stopped; start ui-busy again to resume" in at.info[0].value
+
+
+def test_the_page_shows_this_machines_verify_kernels(app_env):
+    from engine.runtime.kernel_probe import ROWS, cpu_name
+
+    at = _page()
+    at.toggle(key="profile_kernels").set_value(True).run()
+    assert not at.exception and not _errors(at)
+    tables = [d.value for d in at.dataframe if "vs_stock" in d.value.columns]
+    assert len(tables) == 1, [i.value for i in at.info]
+    rows = tables[0]
+    assert len(rows) == rows["shape"].nunique() * len(ROWS) and (rows["vs_stock"] <= 1.0).all()
+    assert any(c.value.startswith(f"{cpu_name()}, ") for c in at.caption)

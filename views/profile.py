@@ -15,6 +15,7 @@ from engine.lab.profiling import sweep_jobs
 from engine.service import prompt_set, sweep_table
 from engine.service.cluster import ClusterSpec, PairSpec
 from engine.service.jobs import RUNNER, SweepSpec, SweepStatus
+from engine.service.kernels import kernel_report
 from store import Store
 from views.common import Settings, _pair, get_pair, settings, show_error
 
@@ -146,6 +147,21 @@ top = st.container()
 pressed, inp = inputs()
 if pressed:
     start(inp)
+with st.expander("This machine's verify kernels"):
+    st.caption("A fp32 target reads each verify of 2–9 rows through the kernel a probe found fastest on this CPU "
+               "(torch's own linear, mm(W, xᵀ) or oneDNN), per weight shape and row count, never slower than stock "
+               "where it measured; cost tables and runs name the kernel set (`python -m engine kernels`).")
+    if st.toggle("Show them (loads the fp32 pair)", key="profile_kernels"):
+        try:
+            rep = kernel_report(get_pair(settings(), "fp32"))
+        except Exception as e:  # noqa: BLE001 - one line on the page
+            show_error(e)
+        else:
+            if rep["rows"]:
+                st.caption(f"{rep['cpu']}, {rep['threads']} threads, torch {rep['torch']}: kernel set {rep['kernel_set']}")
+                st.dataframe(pd.DataFrame(rep["rows"]), hide_index=True)
+            else:
+                st.info(rep["note"])
 with top:
     now = RUNNER.status()
     if now is not None and now.running:

@@ -16,28 +16,23 @@ from engine.service.options import KV_TIERS_ARG, exact_verify
 @command("kernels", "this machine's verify kernels: each chosen per weight shape and row count by a probe",
          TIERS_ARG, JSON_ARG, models=True)
 def cmd_kernels(a: argparse.Namespace) -> int:
-    from engine.runtime.kernel_probe import table_of
     from engine.service import parse_tiers
+    from engine.service.kernels import kernel_report
 
     out = []
     for pair in pairs(a, parse_tiers(a.tiers)):
-        table = table_of(pair.target)
-        if table is None:
-            why = "verify reads pinned to one-token steps" if pair.exact_verify else "no few-row kernels apply"
-            out.append(dict(target_tier=pair.target_tier, kernel_set=pair.kernel_set, rows=[], note=why))
-            if not a.json:
-                print(f"{pair.target_name} ({pair.target_tier}) on {pair.device}: {pair.kernel_set or why}")
-            continue
-        m = table.machine
-        out.append(dict(target_tier=pair.target_tier, kernel_set=table.kernel_set, cpu=m.cpu, threads=m.threads,
-                        torch=m.torch, rows=table.rows()))
+        rep = dict(target_tier=pair.target_tier, **kernel_report(pair))
+        out.append(rep)
         if a.json:
             continue
-        print(f"{pair.target_name} ({pair.target_tier}) on {m.cpu}, {m.threads} threads, torch {m.torch}: "
-              f"kernel set {table.kernel_set}")
-        names = list(table.ms[next(iter(table.ms))])
+        if not rep["rows"]:
+            print(f"{pair.target_name} ({pair.target_tier}) on {pair.device}: {rep['note']}")
+            continue
+        print(f"{pair.target_name} ({pair.target_tier}) on {rep['cpu']}, {rep['threads']} threads, torch {rep['torch']}: "
+              f"kernel set {rep['kernel_set']}")
+        names = [k.removesuffix("_ms") for k in rep["rows"][0] if k.endswith("_ms")]
         print(f"  {'shape':>11} {'rows':>4} {'chosen':>7} " + " ".join(f"{n + ' ms':>10}" for n in names) + "  vs stock")
-        for r in table.rows():
+        for r in rep["rows"]:
             print(f"  {r['shape']:>11} {r['rows']:4d} {r['kernel']:>7} "
                   + " ".join(f"{r[n + '_ms']:10.3f}" for n in names) + f"  {r['vs_stock']:8.3f}")
     if a.json:
