@@ -36,7 +36,8 @@ from engine.runtime.verify_kernels import CHOSEN, KERNELS, MAX_ROWS, applies, dr
 
 ROWS = tuple(range(2, MAX_ROWS + 1))  # the row counts a verify reads (1 + γ, γ = 1…K_MAX)
 MARGIN = 0.03  # a kernel other than stock must be this much faster, or noise could pick it
-ROUNDS = 5  # timed sweeps per candidate and row count (the median kept), candidates in turn
+ROUNDS = 3  # timed sweeps per candidate and row count (the median kept), candidates in turn
+SWEEP_LINEARS = 16  # linears of one shape a sweep reads in turn: enough to leave the core's own caches
 MIN_SWEEP_S = 2e-3  # a sweep shorter than this is repeated within one timing, for the clock's sake
 
 
@@ -132,7 +133,7 @@ def probe_shape(linears: list[torch.nn.Linear], candidates: tuple[str, ...]) -> 
         times: dict[str, list[float]] = {c: [] for c in candidates}
         for r in range(ROUNDS):  # in turns, the order rotated, so a slow spell falls on all alike
             for c in candidates[r % len(candidates):] + candidates[: r % len(candidates)]:
-                times[c].append(_sweep_ms(KERNELS[c], linears, x))
+                times[c].append(_sweep_ms(KERNELS[c], linears[:SWEEP_LINEARS], x))
         med = {c: sorted(t)[len(t) // 2] for c, t in times.items()}
         best = min(med, key=med.get)
         choice.append(best if med[best] < med["stock"] * (1 - MARGIN) else "stock")
