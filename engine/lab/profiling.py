@@ -207,9 +207,7 @@ def _measure_costs(pair: ModelPair, buckets: tuple[int, ...], reps: int, progres
             other_ms[name].append(ms[K_MAX + 5 + 3 * i : K_MAX + 8 + 3 * i])
     stored = kv_of(verifier.cache, buckets[-1])
     fill_ms = median_ms(lambda: fill(new_cache(pair.target, kv_tier), stored, buckets[-1]), reps, WARMUP, sync) / buckets[-1]
-    key = dict(device=pair_device(pair), target=pair.target_name, draft=pair.draft_name,
-               target_tier=pair.target_tier, draft_tier=pair.draft_tier, kv_tier=kv_tier)
-    return monotone(CostTable(list(buckets), draft_ms, verify_ms, key, prefill_ms=prefill_ms, fill_ms=fill_ms,
+    return monotone(CostTable(list(buckets), draft_ms, verify_ms, _table_key(pair, kv_tier), prefill_ms=prefill_ms, fill_ms=fill_ms,
                               cold_read_ms=cold_read_ms, warm_read_ms=warm_read_ms,
                               proposer_costs={n: _draft_cost(per_bucket) for n, per_bucket in other_ms.items()},
                               spread=max(spreads)))
@@ -239,11 +237,16 @@ def probe_costs(pair: ModelPair, kv_tier: str = "native") -> CostTable:
     t = timed_medians(timed, PROBE_REPS, 1, lambda: sync_device(dev), spread_limit=float("inf"))
     at = dict(zip(PROBE_KS, t.medians[1 : 1 + len(PROBE_KS)]))
     verify_ms = [float(np.interp(k, list(at), list(at.values()))) for k in range(K_MAX + 1)]
-    key = dict(device=pair_device(pair), target=pair.target_name, draft=pair.draft_name,
-               target_tier=pair.target_tier, draft_tier=pair.draft_tier, kv_tier=kv_tier)
+    key = _table_key(pair, kv_tier)
     drafts = t.medians[1 + len(PROBE_KS):]
     return monotone(CostTable([b], [t.medians[0]], [verify_ms], key, spread=t.spread, source="probe",
                               proposer_costs={n: DraftCost([ms]) for n, ms in zip(others, drafts)}))
+
+
+def _table_key(pair: ModelPair, kv_tier: str) -> dict:
+    """What a cost table is measured for (service.cost_tables.cost_key's fields)."""
+    return dict(device=pair_device(pair), target=pair.target_name, draft=pair.draft_name,
+                target_tier=pair.target_tier, draft_tier=pair.draft_tier, kv_tier=kv_tier)
 
 
 class _Bucket:
