@@ -62,7 +62,7 @@ def test_the_module_loads_without_torch():
 
 @pytest.mark.parametrize("text,needle", [
     ("policy: rakv\nfoo: 1\n", "unknown key 'foo'"),
-    ("target_tier: fp12\n", "field 'target_tier': unknown tier 'fp12'; known: fp32, bf16, fp16, int8, nf4"),
+    ("target_tier: fp12\n", "field 'target_tier': unknown tier 'fp12'; known: fp32, bf16, fp16, int8, int4, nf4"),
     ("kv_tier: fp4\n", "field 'kv_tier': unknown KV tier 'fp4'"),
     ("policy: warp:9\n", "field 'policy': unknown policy 'warp:9'"),
     ("policy: fixed:99\n", "field 'policy'"),

@@ -41,6 +41,8 @@ def test_greedy_equals_hf_generate_for_every_policy(pair, task, prompt):
         i = divergence.first_difference(ref, out)
         if i is None:
             continue
+        # on the row-invariant kernels exactness is arithmetic: no near tie is excused
+        assert not pair.kernel_set.startswith("rowdot"), f"{pair.target_tier} {policy} {task}: differs at {i}"
         m = margin(pair, ids, ref[:i])
         assert m < NEAR_TIE, f"{pair.target_tier} {policy} {task}: differs at {i}, margin {m:.2e}"
         warnings.warn(f"near tie excused: {pair.target_tier} {policy} {task} at {i}, margin {m:.1e}")
@@ -58,7 +60,8 @@ def test_greedy_equals_hf_generate_with_a_warm_suffix_history(pair):
     for (task, _), x, ref in zip(PROMPTS, ids, refs):
         g = Generation(pair, x, make_policy("fixed:8@suffix"), GenConfig(max_new_tokens=MAX_NEW), history=history).run()
         i = divergence.first_difference(ref, g.token_ids)
-        assert i is None or margin(pair, x, ref[:i]) < NEAR_TIE, f"{pair.target_tier} {task}: differs at {i}"
+        assert i is None or not pair.kernel_set.startswith("rowdot") and margin(pair, x, ref[:i]) < NEAR_TIE, \
+            f"{pair.target_tier} {task}: differs at {i}"
         accepted += sum(r.accepted for r in g.records)
     assert accepted > len(PROMPTS) * MAX_NEW // 2  # it copied its earlier answers
 

@@ -8,7 +8,7 @@ from engine.decode.policies import make_policy
 from engine.lab import divergence
 from engine.lab.generation import GenConfig, Generation, encode_prompt
 from engine.runtime.models import load_pair
-from realmodel import PROMPTS
+from realmodel import PROMPTS, hf_greedy
 from tiny import synthetic_context
 
 KV_NEW = 40  # the KV-tier check's length: its counts of prompts that leave native's output were measured over 40
@@ -21,9 +21,31 @@ def pair(request):
     return load_pair(target_tier=request.param, device="cpu")
 
 
-@pytest.fixture(scope="module", params=["int8", "nf4"])
-def quant_pair(request):
+@pytest.fixture(scope="module", params=["nf4"])
+def quant_pair(request):  # bitsandbytes' layers (int8 on a CPU reads through SpecLab's kernels: below)
     return load_pair(target_tier=request.param, device="cpu")
+
+
+@pytest.fixture(scope="module", params=["int8", "int4"])
+def kernel_pair(request):
+    return load_pair(target_tier=request.param, device="cpu")
+
+
+def test_cpu_kernel_tiers_decode_as_hf_generate_token_for_token(kernel_pair):
+    """int8 and int4 on a CPU (runtime/rowdot.py): every policy's greedy output is HF generate's
+    over the same model, prefix reuse off and on, with no near tie excused."""
+    from engine.runtime.prefix_cache import PrefixCache
+
+    pair = kernel_pair
+    assert pair.exact_verify and pair.kernel_set.startswith(f"rowdot-{pair.target_tier}-")
+    cache = PrefixCache()
+    for _, prompt in PROMPTS[:2]:
+        ids = encode_prompt(pair.tokenizer, prompt, chat=True)
+        ref = hf_greedy(pair, ids, 32)
+        for policy in ("ar", "fixed:4", "fixed:4@ngram", "fixed:2@suffix"):
+            for prefix in (None, cache):
+                g = Generation(pair, ids, make_policy(policy), GenConfig(max_new_tokens=32), prefix).run()
+                assert g.token_ids == ref, (pair.target_tier, policy, prefix is not None)
 
 
 def test_quantized_tiers_are_exact_wrt_their_verify_logits(quant_pair, monkeypatch):

@@ -10,8 +10,9 @@ from store.tables import COST_KEY as STORE_COST_KEY
 # list): found here and nowhere else, so a module's place in the tree does not decide its paths.
 DATA_DIR = Path(__file__).resolve().parents[1] / "data"
 
-# Target weight tiers: fp32/bf16/fp16 are dtypes, int8/nf4 bitsandbytes layers (CUDA kernels).
-WEIGHT_TIERS = ("fp32", "bf16", "fp16", "int8", "nf4")
+# Target weight tiers: fp32/bf16/fp16 are dtypes; int8 and int4 on CPUs SpecLab's own weight-only
+# kernels (engine/runtime/rowdot.py), int8 and nf4 on CUDA bitsandbytes layers.
+WEIGHT_TIERS = ("fp32", "bf16", "fp16", "int8", "int4", "nf4")
 # Target KV-cache tiers (runtime/kv/tiers.py): the model's dtype, e4m3 × 2^e, int8 × a bf16 scale.
 KV_TIERS = ("native", "fp8", "int8")
 

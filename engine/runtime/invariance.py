@@ -36,7 +36,7 @@ from typing import Iterator
 import torch
 import torch.nn.functional as F
 
-from engine.runtime import int8_kernel, lean_body, verify_kernels
+from engine.runtime import int8_kernel, lean_body, rowdot, verify_kernels
 from engine.runtime.forward import forward_logits
 from engine.runtime.kv.cache import new_cache
 
@@ -69,6 +69,8 @@ def rowwise_sdpa(module, query, key, value, attention_mask, **kwargs):
     """query: [B, H, q, D]; key/value: [B, Hkv, past + q, D] → ([B, q, H, D], None)."""
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
+    if rowdot.attends(module, query, attention_mask, kwargs):  # a target on the row-invariant kernels
+        return rowdot.attention(module, query, key, value, **kwargs)
     if _ROW_INVARIANT_READS.get():  # a target made row-invariant for a lossy KV tier
         return rowinv_attention(module, query, key, value, attention_mask, **kwargs)
     q_len, kv_len = query.shape[2], key.shape[2]

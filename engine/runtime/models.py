@@ -24,7 +24,7 @@ from engine.base.names import (
 )
 from engine.runtime import draft_model as draftlib
 from engine.runtime import eagle_head as eaglelib
-from engine.runtime import invariance, kernel_probe, verify_kernels
+from engine.runtime import invariance, kernel_probe, rowdot, verify_kernels
 
 FALLBACK_DRAFT_TIER = "nf4"  # a target without a draft of its own is drafted by itself at nf4
 FLOAT_TIERS = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}  # the rest: bitsandbytes
@@ -32,7 +32,10 @@ FLOAT_TIERS = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.floa
 # otherwise (`@draft:vocab=K`; K = the vocabulary: the full head). bench heads, on held-out text:
 # the draft step ~29% cheaper, agreement 0.607 against 0.618, τ at γ 4 unchanged (2.08).
 EMBEDDED_DRAFT_VOCAB = 8192
-EXACT_VERIFY_TIERS = ("bf16", "fp16")  # where batched verify is made batch-invariant by default
+# where batched verify is made batch-invariant by default without the row-invariant kernels (CUDA)
+EXACT_VERIFY_TIERS = ("bf16", "fp16")
+# CPU tiers read through the row-invariant kernels (int8: bitsandbytes' layers where they cannot read the model)
+CPU_KERNEL_TIERS = ("int8", "int4")
 
 
 @dataclass
@@ -50,8 +53,8 @@ class ModelPair:
     max_context: int
     exact_verify: bool = False  # verify forwards run batch-invariant (engine/runtime/invariance.py)
     rowwise_linears: int = 0  # target linears found row-variant and run row by row in verify
-    fast_verify_linears: int = 0  # target linears given few-row verify kernels (runtime/verify_kernels.py)
-    kernel_set: str = ""  # which kernels they read through: the machine's probe (runtime/kernel_probe.py)
+    fast_verify_linears: int = 0  # target linears given few-row kernels (runtime/rowdot.py, verify_kernels.py)
+    kernel_set: str = ""  # which: "rowdot-<tier>-<build>" or the machine's probe (runtime/kernel_probe.py)
     draft_row_invariant: bool = False  # the draft reads several tokens at once (invariance.make_row_invariant)
     eagle: object | None = None  # the target's feature-level draft head, when one is loaded (proposer "eagle")
     feature_tap: object | None = None  # keeps the target's final-norm states for it (engine/runtime/eagle_head.py)
@@ -161,11 +164,22 @@ def _source_path(source: str | None) -> str:
 
 def _quantization(tier: str, device: torch.device) -> dict:
     """from_pretrained kwargs for a weight tier."""
-    compute = torch.bfloat16 if device.type == "cuda" else torch.float32
     if tier == "fp16" and device.type != "cuda":
         raise ValueError("tier fp16 needs CUDA (CPU fp16 kernels are slow and partial); use bf16 on CPU")
     if tier in FLOAT_TIERS:
         return {"dtype": FLOAT_TIERS[tier]}
+    if tier in CPU_KERNEL_TIERS and device.type == "cpu" and (tier == "int4" or rowdot.unavailable() is None):
+        if (why := rowdot.unavailable()) is not None:
+            raise ValueError(f"tier {tier} on this CPU needs SpecLab's row-invariant kernels: {why}")
+        return {"dtype": torch.float32}  # loaded at fp32, quantized by load_model
+    if tier == "int4":
+        raise ValueError("tier int4 is a CPU tier (SpecLab's kernels); on CUDA use nf4 (bitsandbytes)")
+    return _bitsandbytes(tier, device)
+
+
+def _bitsandbytes(tier: str, device: torch.device) -> dict:
+    """from_pretrained kwargs for bitsandbytes' int8/nf4 layers."""
+    compute = torch.bfloat16 if device.type == "cuda" else torch.float32
     if importlib.util.find_spec("bitsandbytes") is None:
         raise ValueError(f"tier {tier} needs bitsandbytes: pip install bitsandbytes==0.50.2")
     from transformers import BitsAndBytesConfig
@@ -184,14 +198,28 @@ def load_model(
 ) -> torch.nn.Module:
     if tier not in WEIGHT_TIERS:
         raise ValueError(f"unknown tier {tier!r}; known: {', '.join(WEIGHT_TIERS)}")
+    kwargs = _quantization(tier, device)
+    model = _loaded(source, trust_remote_code, kwargs, device)
+    if "quantization_config" not in kwargs and tier in CPU_KERNEL_TIERS:  # SpecLab's CPU int8/int4
+        if (why := rowdot.refuses(model)) is None:
+            rowdot.convert(model, tier)
+        elif tier == "int8" and importlib.util.find_spec("bitsandbytes") is not None:
+            # a model the kernels cannot read: bitsandbytes' CPU int8 layers, measured by `divergence`
+            return _loaded(source, trust_remote_code, _bitsandbytes(tier, device), device)
+        else:
+            raise ValueError(f"tier {tier} on a CPU reads through SpecLab's {tier} kernels, which cannot read this "
+                             f"model ({why}): use fp32 or bf16")
+    return model
+
+
+def _loaded(source: str | None, trust_remote_code: bool, kwargs: dict, device: torch.device) -> torch.nn.Module:
     from transformers import AutoModelForCausalLM
 
     _quiet()
-    kwargs = _quantization(tier, device)
-    path = _source_path(source)
     try:
         model = AutoModelForCausalLM.from_pretrained(
-            path, trust_remote_code=trust_remote_code, attn_implementation=invariance.register(), **kwargs
+            _source_path(source), trust_remote_code=trust_remote_code, attn_implementation=invariance.register(),
+            **kwargs
         )
     except (OSError, EnvironmentError) as e:
         raise ValueError(
@@ -273,12 +301,16 @@ def load_pair(
     progress(f"loading target {target_name} ({target_tier}) on {dev}")
     t_model = load_model(target, target_tier, dev, trust_remote_code)
     tokenizer = load_tokenizer(target, trust_remote_code)
-    # fp32 verify differs from one-token steps by ~1e-5 at most; bitsandbytes layers are measured
-    # by `divergence` instead.
-    exact = exact_verify if exact_verify is not None else target_tier in EXACT_VERIFY_TIERS
+    # The row-invariant kernels where they serve the target (an int8/int4 CPU tier has no others):
+    # every CPU tier is then exact by default, at a verify's cost close to a plain step's.
+    rowinv = exact_verify is not False or rowdot.converted(t_model)[0] > 0
+    kernel_set = _row_invariant_kernels(t_model, target_tier, dev, progress) if rowinv else ""
+    # bitsandbytes layers are measured by `divergence` instead
+    exact = exact_verify if exact_verify is not None else bool(kernel_set) or target_tier in EXACT_VERIFY_TIERS
     rowwise = invariance.make_verify_exact(t_model) if exact else 0
-    kernel_set = kernel_probe.make_verify_fast(t_model, progress) if not exact else ""
-    fast = verify_kernels.patched(t_model) if kernel_set else 0
+    if not exact and not kernel_set:
+        kernel_set = kernel_probe.make_verify_fast(t_model, progress)
+    fast = rowdot.converted(t_model)[0] or verify_kernels.patched(t_model)
     progress(f"loading draft {draft_name} ({draft_tier})")
     if speclab_draft:  # it shares the target's tokenizer, embedding and LM head
         if draft_tier not in FLOAT_TIERS:
@@ -304,6 +336,22 @@ def load_pair(
         draft_vocab=EMBEDDED_DRAFT_VOCAB if speclab_draft and target in (None, "", EMBEDDED) else 0,
         eagle=head, feature_tap=eaglelib.FeatureTap(t_model) if head is not None else None, eagle_name=head_name,
     )
+
+
+def _row_invariant_kernels(model: torch.nn.Module, tier: str, dev: torch.device, progress) -> str:
+    """Gives a CPU target's linears the row-invariant kernels at its tier (runtime/rowdot.py) and
+    names the kernel set; "" where they do not run or cannot read the model, or its layers are
+    bitsandbytes' (then an exact verify reads row by row: invariance.make_verify_exact)."""
+    if dev.type != "cpu" or tier not in rowdot.FORMATS or rowdot.unavailable() is not None:
+        return ""
+    if getattr(model, "hf_quantizer", None) is not None:
+        return ""
+    if rowdot.converted(model)[0] == 0:
+        if rowdot.refuses(model) is not None:
+            return ""
+        progress(f"row-invariant {tier} kernels for the target")
+        rowdot.convert(model, tier)
+    return f"rowdot-{tier}-{rowdot.build_id()}"
 
 
 def _eagle_head(target: str | None, eagle: str | None, t_model, dev: torch.device, progress) -> tuple[object | None, str]:

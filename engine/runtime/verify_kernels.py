@@ -13,8 +13,9 @@ rows in the same read always round alike; a one-row step stays torch's own `line
 decoding is HF generate, bit for bit). At fp32 a verify read differs from one-token steps by ~1e-6
 whatever the kernel (models.py leaves fp32 verify unpinned); the tiers whose verify must be
 batch-invariant (bf16/fp16 exact, invariance.py) and lossy KV reads (invariance.row_invariant_reads)
-keep their own paths: this module patches only fp32 targets on CPU (`kernel_probe.make_verify_fast`),
-and make_reads_row_invariant wraps what it leaves. $SPECLAB_KERNELS names one candidate to use
+keep their own paths: this module patches only fp32 targets on CPU in fast mode
+(`kernel_probe.make_verify_fast`; an exact CPU target reads every row through the row-invariant
+kernels of runtime/rowdot.py instead), and make_reads_row_invariant wraps what it leaves. $SPECLAB_KERNELS names one candidate to use
 everywhere instead of the probe's choice (for a bench or a test; default `probe`)."""
 from __future__ import annotations
 

@@ -1,0 +1,325 @@
+"""Row-invariant linears for the target on CPUs (csrc/rowdot.cpp), built for the machine they run
+on, and the weight formats they read: fp32, bf16, int8 and 4 bits.
+
+Exactness needs a verify read of k + 1 rows to round every row as a one-row plain step does, and
+BLAS kernels promise no such thing (MKL's sgemm, oneDNN's bf16 paths and torch's weight-only int8
+kernel each take other reduction orders at other row counts, differently on each CPU). The kernel
+here computes every output element with one routine whatever the row count, so a target whose
+linears all read through it gives a verify that equals plain decoding bit for bit — at every tier,
+on every CPU it builds on — and a verify of 2–5 rows reads the weights once, as one row does.
+
+The library is compiled at first use on each machine (g++ -O3 -march=native, ~10 s) into
+$SPECLAB_KERNEL_DIR under a name that hashes the source, the CPU's flags, the compiler and torch, so
+another machine or release builds its own; where it cannot build (no compiler, another ISA's
+failure) `unavailable()` says why in one line and the float tiers keep torch's own kernels.
+$SPECLAB_ROWDOT=off turns it off (a peer run, a test of the fallback).
+
+Every read goes through it, a prompt's prefill too (where BLAS's GEMM would be ~2× faster): a
+prefix's KV reused from another prompt's prefill then holds the bits a whole prefill of this
+prompt would, so prefix reuse stays exact. Attention likewise (`attention`): each query row the
+same arithmetic whatever the read's length, which torch's SDPA does not promise either."""
+from __future__ import annotations
+
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+import time
+from functools import lru_cache
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+SOURCE = Path(__file__).with_name("csrc") / "rowdot.cpp"
+FORMATS = ("fp32", "bf16", "int8", "int4")
+ATTENTION = "speclab_rowdot_attention"  # set on the attention modules of a converted model
+GROUP = 32  # inputs per 4-bit scale and minimum (llama.cpp's Q4_1 block)
+ALIGN = 64  # the kernel's rows are read 64 inputs at a time
+
+
+def _cpu_flags() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith(("flags", "Features")):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.machine()
+
+
+def _build_key(compiler: str) -> str:
+    version = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=30).stdout
+    text = "\n".join([SOURCE.read_text(), _cpu_flags(), version, torch.__version__])
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def _compile(out: Path, compiler: str) -> None:
+    from torch.utils import cpp_extension
+
+    abi = int(torch._C._GLIBCXX_USE_CXX11_ABI)
+    cmd = [compiler, "-O3", "-march=native", "-fopenmp", "-ffp-contract=fast", "-shared", "-fPIC", "-std=c++20",
+           f"-D_GLIBCXX_USE_CXX11_ABI={abi}", "-w", *[f"-I{p}" for p in cpp_extension.include_paths()],
+           str(SOURCE), *[f"-L{p}" for p in cpp_extension.library_paths()], "-ltorch_cpu", "-lc10"]
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=out.parent) as tmp:  # two processes may build at once
+        part = Path(tmp) / out.name
+        done = subprocess.run([*cmd, "-o", str(part)], capture_output=True, text=True, timeout=600)
+        if done.returncode != 0:
+            last = (done.stderr.strip().splitlines() or ["no message"])[-1]
+            raise RuntimeError(f"{compiler} failed: {last[:200]}")
+        os.replace(part, out)
+
+
+@lru_cache(maxsize=1)
+def _load() -> str | None:
+    """Builds (once per machine) and loads the library: None, or why it is not available."""
+    if os.environ.get("SPECLAB_ROWDOT", "on").lower() in ("off", "0", "no"):
+        return "turned off by SPECLAB_ROWDOT"
+    compiler = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
+    if compiler is None:
+        return "no C++ compiler (install g++) to build the row-invariant kernels"
+    from engine.runtime.kernel_probe import kernel_dir
+
+    try:
+        lib = kernel_dir() / f"rowdot-{_build_key(compiler)}.so"
+        if not lib.exists():
+            _compile(lib, compiler)
+        try:
+            torch.ops.load_library(str(lib))
+        except OSError:  # a damaged file (a build cut short by hand): built again, once
+            lib.unlink(missing_ok=True)
+            _compile(lib, compiler)
+            torch.ops.load_library(str(lib))
+    except (OSError, RuntimeError, subprocess.SubprocessError) as e:
+        return f"the row-invariant kernels did not build: {' '.join(str(e).split())[:240]}"
+    return None
+
+
+def unavailable() -> str | None:
+    """None where the kernels run here; else one line saying why not."""
+    return _load()
+
+
+def build_id() -> str:
+    """Which build this process reads through (part of the kernel-set name of a cost table)."""
+    assert _load() is None
+    compiler = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
+    return _build_key(compiler)[:8]
+
+
+# -- the weight formats -------------------------------------------------------------------------------
+def quantize_int8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """w [O, K] → (q int8 [O, K], scale fp32 [O]): symmetric, one scale per output row."""
+    scale = (w.abs().amax(1) / 127).clamp(min=torch.finfo(torch.float32).tiny)
+    return torch.round(w / scale[:, None]).clamp(-127, 127).to(torch.int8).contiguous(), scale.contiguous()
+
+
+def quantize_int4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """w [O, K] → (packed uint8 [O, K/2], scale_min fp32 [O, K/32, 2]): per group of 32 inputs
+    w ≈ q · scale + min with q in 0…15; byte j of a group holds q[j] (low nibble) and q[j + 16]."""
+    o, k = w.shape
+    g = w.reshape(o, k // GROUP, GROUP)
+    lo, hi = g.amin(-1), g.amax(-1)
+    scale = ((hi - lo) / 15).clamp(min=torch.finfo(torch.float32).tiny)
+    q = torch.round((g - lo[..., None]) / scale[..., None]).clamp(0, 15).to(torch.uint8)  # [O, G, 32]
+    packed = (q[..., : GROUP // 2] | (q[..., GROUP // 2 :] << 4)).reshape(o, k // 2).contiguous()
+    return packed, torch.stack([scale, lo], -1).contiguous()
+
+
+def dequantize(fmt: str, tensors: tuple[torch.Tensor, ...]) -> torch.Tensor:
+    """The fp32 weight [O, K] a format's tensors stand for (what the kernel multiplies by)."""
+    if fmt in ("fp32", "bf16"):
+        return tensors[0].float()
+    if fmt == "int8":
+        q, scale = tensors
+        return q.float() * scale[:, None]
+    packed, sm = tensors
+    o = packed.shape[0]
+    nib = packed.reshape(o, -1, GROUP // 2)
+    q = torch.cat([nib & 15, nib >> 4], -1).float()  # [O, G, 32]
+    return (q * sm[..., :1] + sm[..., 1:]).reshape(o, -1)
+
+
+_OPS = {"fp32": "linear_f32", "bf16": "linear_bf16", "int8": "linear_int8", "int4": "linear_int4"}
+
+
+class RowLinear(torch.nn.Module):
+    """A linear whose reads go through the row-invariant kernel.
+
+    fp32/bf16 keep the original weight (tied heads stay tied); int8/int4 hold the quantized form.
+    HF's peers run as shipped (verify_kernels.stock_kernels) through torch's own matmul on the
+    float weight (int8/int4: its dequantization, made once)."""
+
+    def __init__(self, linear: torch.nn.Linear, fmt: str) -> None:
+        super().__init__()
+        assert fmt in FORMATS, fmt
+        self.fmt, self.in_features, self.out_features = fmt, linear.in_features, linear.out_features
+        self.bias = linear.bias
+        w = linear.weight.detach()
+        if fmt in ("fp32", "bf16"):
+            dtype = torch.float32 if fmt == "fp32" else torch.bfloat16
+            if w.dtype != dtype or not w.is_contiguous():
+                w = w.to(dtype).contiguous()
+            self.tensors: tuple[torch.Tensor, ...] = (w,)
+        else:
+            self.tensors = (quantize_int8 if fmt == "int8" else quantize_int4)(w.float())
+        self._op = getattr(torch.ops.speclab_rowdot, _OPS[fmt])
+        self._long: torch.Tensor | None = None  # the dequantized weight for stock reads (int8/int4), made once
+
+    @property
+    def weight(self) -> torch.Tensor:
+        """The weight as a float tensor (for code that reads a linear's weight, e.g. EAGLE's head)."""
+        return self.tensors[0] if self.fmt in ("fp32", "bf16") else dequantize(self.fmt, self.tensors)
+
+    def extra_repr(self) -> str:
+        return f"in={self.in_features}, out={self.out_features}, fmt={self.fmt}"
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        from engine.runtime.verify_kernels import stock
+
+        m = x.numel() // self.in_features
+        if torch.is_grad_enabled() or stock():
+            return self._stock(x)
+        out = self._op(x.reshape(m, self.in_features), *self.tensors)  # [M, out]
+        if self.bias is not None:
+            out = out + self.bias
+        return out.reshape(*x.shape[:-1], self.out_features)
+
+    def _stock(self, x: torch.Tensor) -> torch.Tensor:
+        if self.fmt in ("fp32", "bf16"):
+            return F.linear(x, self.tensors[0].to(x.dtype), self.bias)
+        if self._long is None:
+            self._long = dequantize(self.fmt, self.tensors)
+        return F.linear(x, self._long.to(x.dtype), self.bias)
+
+
+def serves(linear: torch.nn.Module) -> bool:
+    """A plain nn.Linear on a CPU whose input width the kernel reads (a multiple of 64)."""
+    return (type(linear) is torch.nn.Linear and linear.weight.device.type == "cpu"
+            and linear.in_features % ALIGN == 0 and linear.in_features <= 8192)
+
+
+def refuses(model: torch.nn.Module) -> str | None:
+    """None where the kernels serve every linear of `model` and its attention (head size a multiple
+    of 64); else why not, in a few words. A model is converted whole or not at all: a verify that
+    read some linears through these kernels and the rest through another path would be neither
+    exact by construction nor the other path's."""
+    linears = [m for m in model.modules() if type(m) is torch.nn.Linear]
+    if not linears:
+        return "no linear layers"
+    widths = sorted({m.in_features for m in linears if not serves(m)})
+    if widths:
+        return f"input widths {widths} are not multiples of {ALIGN}"
+    cfg = getattr(model, "config", None)
+    text = cfg.get_text_config() if cfg is not None and hasattr(cfg, "get_text_config") else cfg
+    head = getattr(text, "head_dim", None) or (text.hidden_size // text.num_attention_heads if text is not None else 0)
+    if head % ALIGN:
+        return f"head size {head} is not a multiple of {ALIGN}"
+    return None
+
+
+def convert(model: torch.nn.Module, fmt: str) -> int:
+    """Replaces every linear of `model` (LM head included) with a RowLinear at `fmt`; returns how
+    many. The caller checks `unavailable()` and `refuses(model)` first."""
+    assert _load() is None and refuses(model) is None, (_load(), refuses(model))
+    count = 0
+    for parent in list(model.modules()):
+        for name, child in list(parent.named_children()):
+            if serves(child):
+                setattr(parent, name, RowLinear(child, fmt))
+                count += 1
+        if hasattr(parent, "q_proj") and hasattr(parent, "o_proj"):  # an attention block: `attention` serves it
+            setattr(parent, ATTENTION, True)
+    from engine.runtime import lean_body
+
+    lean_body.install_target(model, attention)  # a Llama: read without HF's module machinery
+    if fmt in ("int8", "int4"):  # the float copies the quantized layers replaced are gone; keep it so
+        import gc
+
+        gc.collect()
+    return count
+
+
+def converted(model: torch.nn.Module) -> tuple[int, str | None]:
+    """(how many of `model`'s linears read through the kernel, their format)."""
+    rows = [m for m in model.modules() if isinstance(m, RowLinear)]
+    return len(rows), rows[0].fmt if rows else None
+
+
+# -- attention ----------------------------------------------------------------------------------------
+_UNSUPPORTED = ("softcap", "sliding_window", "s_aux", "sinks", "position_bias")
+
+
+def attends(module, query: torch.Tensor, mask: torch.Tensor | None, kwargs: dict) -> bool:
+    """Whether `attention` computes this call (HF's attention interface): a converted model's
+    block, one sequence, head size a multiple of 64, no dropout, softcap, window or sinks, and a
+    mask that is causal or none."""
+    from engine.runtime.verify_kernels import stock
+
+    if not getattr(module, ATTENTION, False) or stock() or query.shape[0] != 1 or query.shape[-1] % ALIGN:
+        return False
+    if kwargs.get("dropout", 0.0) or any(kwargs.get(k) is not None for k in _UNSUPPORTED):
+        return False
+    s = query.shape[2]
+    if mask is None or s == 1 and mask.dtype == torch.bool and bool(mask.all()):
+        return True
+    if mask.dtype != torch.bool or mask.shape[0] != 1 or mask.shape[1] != 1:
+        return False
+    n = mask.shape[-1]
+    return torch.equal(mask[0, 0], torch.ones(s, n, dtype=torch.bool, device=mask.device).tril(n - s))
+
+
+def attention(module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scaling: float | None = None,
+              **_) -> tuple[torch.Tensor, None]:
+    """query [1, H, S, D], key/value [1, Hkv, N, D] → ([1, S, H, D], None): causal, the last S keys
+    the rows' own (csrc/rowdot.cpp `attend`)."""
+    scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+    out = torch.ops.speclab_rowdot.attend(query[0], key[0], value[0], float(scale))  # [S, H, D]
+    return out[None], None
+
+
+# -- this machine's figures ---------------------------------------------------------------------------
+TIMED_ROWS = tuple(range(1, 10))  # a plain step and the verifies of γ = 1…8
+SWEEP = 16  # linears of one shape read in turn per timing, as a forward reads them (weights from memory)
+
+
+def _sweep_ms(fn, weights: list, x: torch.Tensor, min_s: float = 2e-3) -> float:
+    t0, calls = time.perf_counter(), 0
+    while (elapsed := time.perf_counter() - t0) < min_s or calls == 0:
+        for w in weights:
+            fn(x, w)
+        calls += len(weights)
+    return elapsed * 1e3 / calls
+
+
+def timings(model: torch.nn.Module, rounds: int = 3) -> list[dict]:
+    """Per weight shape of `model`'s RowLinears and row count 1…9: ms per call of the kernel and of
+    torch's own `linear` over the same weights at the tier's float dtype (the dequantized weight for
+    int8/int4: what the tier would read without these kernels), medians of `rounds` sweeps taken in
+    turn, and their ratio."""
+    by_shape: dict[str, list[RowLinear]] = {}
+    for m in model.modules():
+        if isinstance(m, RowLinear):
+            by_shape.setdefault(f"{m.out_features}×{m.in_features}", []).append(m)
+    gen = torch.Generator().manual_seed(0)
+    out = []
+    with torch.inference_mode():
+        for shape, mods in by_shape.items():
+            mods = mods[:SWEEP]
+            fmt, dtype = mods[0].fmt, torch.bfloat16 if mods[0].fmt == "bf16" else torch.float32
+            floats = [m.tensors[0] if fmt in ("fp32", "bf16") else dequantize(fmt, m.tensors) for m in mods]
+            for rows in TIMED_ROWS:
+                x = torch.randn(rows, mods[0].in_features, generator=gen).to(dtype)
+                ours = lambda x, m: m._op(x, *m.tensors)  # noqa: E731
+                theirs = lambda x, w: F.linear(x, w)  # noqa: E731
+                ms: dict[str, list[float]] = {"rowdot": [], "stock": []}
+                for _ in range(rounds):
+                    ms["rowdot"].append(_sweep_ms(ours, mods, x))
+                    ms["stock"].append(_sweep_ms(theirs, floats, x))
+                med = {k: sorted(v)[len(v) // 2] for k, v in ms.items()}
+                out.append(dict(shape=shape, rows=rows, kernel="rowdot", rowdot_ms=med["rowdot"], stock_ms=med["stock"],
+                                vs_stock=med["rowdot"] / med["stock"], count=len(by_shape[shape])))
+    return out
