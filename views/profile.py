@@ -148,9 +148,9 @@ pressed, inp = inputs()
 if pressed:
     start(inp)
 with st.expander("This machine's verify kernels"):
-    st.caption("A fp32 target reads each verify of 2–9 rows through the kernel a probe found fastest on this CPU "
-               "(torch's own linear, mm(W, xᵀ) or oneDNN), per weight shape and row count, never slower than stock "
-               "where it measured; cost tables and runs name the kernel set (`python -m engine kernels`).")
+    st.caption("On a CPU the target reads through row-invariant kernels built for this machine (exact at every "
+               "tier: a verify row rounds as a plain step); here each one's time per weight shape and row count "
+               "against torch's own linear. Cost tables and runs name the kernel set (`python -m engine kernels`).")
     if st.toggle("Show them (loads the fp32 pair)", key="profile_kernels"):
         try:
             rep = kernel_report(get_pair(settings(), "fp32"))
@@ -158,7 +158,8 @@ with st.expander("This machine's verify kernels"):
             show_error(e)
         else:
             if rep["rows"]:
-                st.caption(f"{rep['cpu']}, {rep['threads']} threads, torch {rep['torch']}: kernel set {rep['kernel_set']}")
+                st.caption(f"{rep['cpu']}, {rep['threads']} threads, torch {rep['torch']}: kernel set {rep['kernel_set']}"
+                           + (f". {rep['note']}" if rep["note"] else ""))
                 st.dataframe(pd.DataFrame(rep["rows"]), hide_index=True)
             else:
                 st.info(rep["note"])

@@ -35,6 +35,15 @@ def cmd_kernels(a: argparse.Namespace) -> int:
         for r in rep["rows"]:
             print(f"  {r['shape']:>11} {r['rows']:4d} {r['kernel']:>7} "
                   + " ".join(f"{r[n + '_ms']:10.3f}" for n in names) + f"  {r['vs_stock']:8.3f}")
+        if "count" in rep["rows"][0]:  # a forward reads every linear: the sum per row count
+            total: dict[int, list[float]] = {}
+            for r in rep["rows"]:
+                t = total.setdefault(r["rows"], [0.0, 0.0])
+                t[0], t[1] = t[0] + r["count"] * r["rowdot_ms"], t[1] + r["count"] * r["stock_ms"]
+            print("  a forward's linears: " + ", ".join(f"{m} rows {a:.1f} ms ({a / b:.2f}× stock)"
+                                                         for m, (a, b) in total.items()))
+        if rep["note"]:
+            print(f"  {rep['note']}")
     if a.json:
         print(json.dumps(out))
     return 0

@@ -1,14 +1,23 @@
 """This machine's verify kernels, as the CLI's `kernels` and the Profile page show them: per
-weight shape and row count, the kernel the probe chose (runtime/kernel_probe.py), each
-candidate's time and the choice's ratio to stock. Torch-free at import."""
+weight shape and row count, the kernel the target reads through — the row-invariant kernels
+(runtime/rowdot.py) or the one the probe chose (runtime/kernel_probe.py) — each candidate's time
+and the kernel's ratio to stock. Torch-free at import."""
 from __future__ import annotations
 
 
 def kernel_report(pair) -> dict:
     """{cpu, threads, torch, kernel_set, rows, note}: `rows` empty (and `note` why) where the
     target's verify reads are not on probed kernels (a pinned tier, a forced kernel, a GPU)."""
+    from engine.runtime import rowdot
     from engine.runtime.kernel_probe import cpu_name, table_of
 
+    if rowdot.converted(pair.target)[0]:  # the row-invariant kernels: the tier's only exact ones, timed here
+        import torch
+
+        return dict(cpu=cpu_name(), threads=torch.get_num_threads(), torch=torch.__version__,
+                    kernel_set=pair.kernel_set, rows=rowdot.timings(pair.target),
+                    note="every read through the row-invariant kernels (exact at every row count); "
+                         "stock: torch's linear at the tier's float weights")
     table = table_of(pair.target)
     if table is None:
         why = ("verify reads pinned to one-token steps" if pair.exact_verify
