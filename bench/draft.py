@@ -27,13 +27,21 @@ is what the modes differ in), calibrated against the live steps of short runs of
 fixed policy on a held-out prompt that is not timed. HF assisted gets the draft with HF's own
 forward (the row-invariant reads a live SpecLab run needs are SpecLab's cost, not HF's).
 
+Per tier, `ar` tok/s, and plain decoding by tier against fp32's (`ar_vs_fp32`); int8 and int4
+(`Options.ar_tiers`) are timed for that, their exactness and one speculative setting (ar,
+fixed:4@draft, rakv; HF generate). Exact settings are also run with prefix reuse on (untimed,
+`with_prefix_reuse`); the exit code is 1 when any exact setting's output differs from HF
+generate's, reuse on or off. HF generate reads the target as the tier loads it (its kernels: the
+exactness reference), `hf_generate:stock` through torch's own.
+
 Run: python bench/draft.py [--json]   or   python -m engine bench draft [--json]
-Defaults (1 prompt per task, 48 tokens, γ 4 per proposer, fp32 and bf16 in both verify modes:
-4 × (12 + 19) = 124 timed generations) fit 20 minutes on this project's idle 2-core CPU (the
-JSON's `elapsed_s` says what a run took; `--ks 2,4 --max-new-tokens 96` is the fuller sweep)."""
+Defaults (3 held-out prompts per task, 64 tokens, γ 4 per proposer, fp32 and bf16 in both verify
+modes, int8 and int4) fit 20 minutes on a 2-core CPU (the JSON's `elapsed_s` says what a run
+took); `--long` times 7 prompts per task twice, `--ks 2,4` adds γ 2."""
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import json
 import sys
@@ -58,7 +66,10 @@ from engine.service.kernels import kernel_report
 from engine.service.options import add_model_args
 from engine.service.runs import Request, greedy_history, open_generation
 
-HF_ASSISTED = ("constant:2", "constant:4", "heuristic")  # HF assisted settings timed by default
+# HF assisted timed by default: HF's own schedule, within 2% of its best constant γ on these CPUs
+# (13.76 against 14.09 tok/s at fp32); --hf-assisted constant:2,constant:4,heuristic times them all
+HF_ASSISTED = ("heuristic",)
+LONG_PER_TASK = 7  # --long: timed prompts per task (the other 3 held out per task: calibration, suffix history)
 SUFFIX_WARM = f"fixed:{GAMMA}@suffix warm"  # the entry of fixed:4@suffix reading the warm history
 HF_ASSISTED_KNOWN = "constant:K (K tokens a step, no confidence stop), heuristic (HF's +2/−1 schedule from 4), " \
                     "default (HF's own defaults: 20 tokens, constant, dynamic confidence stop 0.4)"
@@ -67,13 +78,14 @@ HF_DEFAULTS = dict(num_assistant_tokens=20, num_assistant_tokens_schedule="const
 
 @dataclass
 class Options:
-    per_task: int = 1  # held-out prompts per task, timed
-    # The defaults fit 20 minutes here (15): 64 tokens with γ 2 and 4 took 25, as bf16 has no
-    # native kernels on this CPU (its 27 configurations then cost 3.2 min a prompt).
-    max_new: int = 48
+    per_task: int = 3  # held-out prompts per task, timed (12 in all; --long: every held-out one)
+    max_new: int = 64  # the defaults fit 20 minutes on a 2-core CPU (the JSON's elapsed_s)
     ks: tuple[int, ...] = (GAMMA,)  # fixed γ per proposer (GAMMA is always among them; --ks 2,4 adds 2)
     proposers: tuple[str, ...] | None = None  # None: every proposer the pair has
     hf_assisted: tuple[str, ...] = HF_ASSISTED
+    # tiers timed for their plain step against fp32's (ar_vs_fp32), exactness and one speculative
+    # setting (ar, fixed:γ@draft, rakv; HF generate), not the whole proposer sweep
+    ar_tiers: tuple[str, ...] = ("int8", "int4")
     hf_lookup: tuple[int, ...] = (4,)  # prompt_lookup_num_tokens values
     cost_buckets: tuple[int, ...] = (64,)  # contexts the cost table is measured at (held-out contexts: 40–190)
     cost_reps: int = 3
@@ -157,6 +169,8 @@ def label(tier: str, mode: str) -> str:
 
 def policies_for(pair: ModelPair, opts: Options, speckv: bool) -> list[str]:
     names = _proposers(pair, opts)
+    if pair.target_tier in opts.ar_tiers:  # a tier timed for its plain step: ar, rakv, one fixed γ
+        names = names[:1]
     fixed = [f"fixed:{k}@{p}" for p in names for k in _ks(opts)]
     at = "" if names == available(pair) else "@" + "+".join(names)
     return ["ar", *fixed, f"rakv{at}"] + ([f"speckv{at}"] if speckv else [])
@@ -183,8 +197,14 @@ def _ks(opts: Options) -> list[int]:
     return sorted(set(opts.ks) | {GAMMA})
 
 
-def hf_settings(opts: Options) -> list[str]:
-    return ["hf_generate", *(f"hf_assisted:{s}" for s in opts.hf_assisted), *(f"hf_lookup:{n}" for n in opts.hf_lookup)]
+HF_STOCK = "hf_generate:stock"  # HF generate through torch's own linears, where the tier has other ones
+
+
+def hf_settings(opts: Options, tier: str = "fp32") -> list[str]:
+    if tier in opts.ar_tiers:  # HF has no CPU kernels of its own at these tiers: generate alone
+        return ["hf_generate"]
+    return ["hf_generate", HF_STOCK, *(f"hf_assisted:{s}" for s in opts.hf_assisted),
+            *(f"hf_lookup:{n}" for n in opts.hf_lookup)]
 
 
 def check_hf_assisted(spec: str) -> None:
@@ -251,7 +271,9 @@ def hf_runner(pair: ModelPair, setting: str, assistant: torch.nn.Module | None) 
         kw = kwargs(n)  # binds the assistant's keys before the clock starts
         sync_device(pair.device)
         t0 = time.perf_counter()
-        with stock_kernels():  # HF as shipped: its verify reads through torch's own linears
+        # HF generate reads the target as the tier loads it (its kernels: the exactness reference);
+        # every other peer runs as shipped, its reads through torch's own linears
+        with contextlib.nullcontext() if setting == "hf_generate" else stock_kernels():
             out = pair.target.generate(x, attention_mask=torch.ones_like(x), pad_token_id=pad, **kw)
         sync_device(pair.device)
         return out[0, len(ids):].tolist(), None, time.perf_counter() - t0
@@ -285,7 +307,9 @@ def setting_context(pair: ModelPair, tier: str, opts: Options, calib: tuple[str,
                 info["calibrated"] = True
             except ValueError as e:
                 info["calibration_note"] = str(e)
-        ctx = policy_context(st, pair)  # the newest table (calibrated when it could be), priors from those steps
+        # the newest table (calibrated when it could be), priors from those steps; read as measured, its
+        # slope past the last bucket (measure=True would time every bucket up to the model's context)
+        ctx = policy_context(st, pair, measure=False)
     if opts.controller is not None:
         ctx = replace(ctx, controller=opts.controller)
     info["priors"] = dict(ctx.priors)
@@ -350,28 +374,37 @@ def measure(load: Callable[[str, bool | None], ModelPair], settings: list[tuple[
         if warm is None and opts.suffix_history > 0 and "suffix" in _proposers(pairs[labels[0]], opts):
             say(f"suffix: the warm history, outputs of {opts.suffix_history} untimed prompt(s) per task…")
             warm = greedy_history(pairs[labels[0]], [p for _, p in first_per_task(rest, opts.suffix_history)], opts.max_new)
-        entries, contexts, policies = [], {}, {}
+        entries, contexts, policies, ctxs = [], {}, {}, {}
         for where, pair in pairs.items():
             say(f"{where}: measuring costs{' and calibrating them' if opts.calibrate_tokens else ''}…")
             ctx, info = setting_context(pair, tier, opts, calib)
-            contexts[where] = info
+            contexts[where], ctxs[where] = info, ctx
             policies[where] = policies_for(pair, opts, opts.controller is not None)
             entries += [Entry(p, where, speclab_runner(pair, p, ctx)) for p in policies[where]]
             if warm is not None and f"fixed:{GAMMA}@suffix" in policies[where]:
                 entries.append(Entry(SUFFIX_WARM, where, speclab_runner(pair, f"fixed:{GAMMA}@suffix", ctx, warm)))
-        # HF's peers on the pair whose target runs HF's own forward (the fast or default mode's)
+        # HF generate, the exactness reference, on the exact setting's pair (the tier's kernels);
+        # the stock peers on the pair whose target runs HF's own forward (the fast or default mode's)
         hf_where = next((w for w, m in zip(labels, modes) if m != "exact"), labels[0])
+        ref_where = next((w for w, m in zip(labels, modes) if m == "exact"), hf_where)
         hf_pair = pairs[hf_where]
-        assistant = hf_assistant(hf_pair) if opts.hf_assisted else None
-        entries += [Entry(s, tier, hf_runner(hf_pair, s, assistant)) for s in hf_settings(opts)]
+        assistant = hf_assistant(hf_pair) if opts.hf_assisted and tier not in opts.ar_tiers else None
+        entries += [Entry(s, tier, hf_runner(pairs[ref_where] if s == "hf_generate" else hf_pair, s, assistant))
+                    for s in hf_settings(opts, tier)]
         say(f"{tier}: timing {len(entries)} policies and peers on {len(timed)} prompts × {opts.repeats}…")
         results = time_tier(entries, timed, opts, say)
-        hf = {s: results[(tier, s)] for s in hf_settings(opts)}
+        hf = {s: results[(tier, s)] for s in hf_settings(opts, tier)}
         tables = {w: setting_table(w, tier, m, pairs[w], policies[w], results, tasks, hf["hf_generate"], contexts[w])
                   for w, m in zip(labels, modes)}
         for w, t in tables.items():
             if (w, SUFFIX_WARM) in results:
                 t["proposers"]["suffix warm"] = warm_stats(t["proposers"]["suffix"], results[(w, SUFFIX_WARM)], tasks)
+        for w, m in zip(labels, modes):
+            if m != "fast":  # exactness with prefix reuse on (the timed runs had none): untimed
+                best = tables[w]["best_policy"]  # and rakv, the default adaptive policy (a context of its own)
+                rakv = next(p for p in policies[w] if p.startswith("rakv"))
+                tables[w]["with_prefix_reuse"] = reuse_check(pairs[w], ctxs[w], ["ar", best, rakv], timed,
+                                                             [r["output"] for r in hf["hf_generate"]], opts, say)
         res["settings"].update(tables)
         res["tiers"][tier] = tier_table(tier, tables, hf, tasks)
         if first:
@@ -381,6 +414,28 @@ def measure(load: Callable[[str, bool | None], ModelPair], settings: list[tuple[
     res.update(headline(res))
     res["elapsed_s"] = time.perf_counter() - t_start
     return res
+
+
+def reuse_check(pair: ModelPair, ctx: PolicyContext, policies: list[str], timed: list[list[int]],
+                refs: list[list[int]], opts: Options, say=lambda m: None) -> dict:
+    """`policies` (`ctx`: the setting's context) on every timed prompt with prefix reuse on, as a
+    live run has it (one prefix cache across the prompts, which share the chat template's system prefix; the first prompt
+    again at the end, an exact repeat), against HF generate's outputs:
+    {identical_to_hf_generate: {policy: share}, reused_tokens}."""
+    from engine.runtime.prefix_cache import PrefixCache
+
+    identical, reused = {}, 0
+    for policy in dict.fromkeys(policies):
+        cache, same = PrefixCache(), 0
+        for ids, ref in zip([*timed, timed[0]], [*refs, refs[0]]):
+            gen = open_generation(pair, Request("", policy, max_new_tokens=opts.max_new), context=ctx, prompt_ids=ids,
+                                  prefix=cache)
+            gen.run()
+            same += gen.token_ids == ref
+            reused += gen.summary.reused_tokens
+        identical[policy] = same / (len(timed) + 1)
+    say(f"  prefix reuse on: identical to HF generate {identical}, {reused} tokens reused")
+    return dict(identical_to_hf_generate=identical, reused_tokens=reused)
 
 
 def _draft_figures(pair: ModelPair, prompts, timed_prompts, results, where: str, opts: Options) -> dict:
@@ -425,10 +480,13 @@ def _ints(text: str) -> tuple[int, ...]:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="bench draft", description=__doc__.splitlines()[0])
     add_model_args(p)
-    p.add_argument("--tiers", default="fp32,bf16", help="target tiers timed (supersedes --target-tier); with "
-                   "--verify auto (the default) bf16/fp16 are timed in both verify modes, exact and fast")
+    p.add_argument("--tiers", default="fp32,bf16,int8,int4", help="target tiers timed (supersedes --target-tier); "
+                   "with --verify auto (the default) bf16/fp16 are timed in both verify modes, exact and fast; "
+                   f"{', '.join(Options.ar_tiers)} for their plain step, exactness and one speculative setting")
+    p.add_argument("--long", action="store_true", help="every held-out prompt (10 per task) twice: intervals "
+                   "near ±3%% (about an hour)")
     p.add_argument("--max-new-tokens", type=int, default=Options.max_new)
-    p.add_argument("--prompts-per-task", type=int, default=1, help="held-out prompts per task for timing")
+    p.add_argument("--prompts-per-task", type=int, default=Options.per_task, help="held-out prompts per task for timing")
     p.add_argument("--ks", default=",".join(map(str, Options.ks)),
                    help=f"fixed γ values per proposer (γ = {GAMMA} always runs: τ)")
     p.add_argument("--proposers", default=None, help="proposers to time (default: every one the pair has)")
@@ -450,6 +508,8 @@ def main(argv: list[str] | None = None) -> int:
         torch.set_num_threads(a.threads)
     from engine.service import parse_tiers
 
+    if a.long:
+        a.prompts_per_task, a.repeats = LONG_PER_TASK, max(a.repeats, 2)
     opts = Options(per_task=a.prompts_per_task, max_new=a.max_new_tokens, ks=_ints(a.ks),
                    proposers=tuple(x for x in a.proposers.split(",") if x) if a.proposers else None,
                    hf_assisted=tuple(x for x in a.hf_assisted.split(",") if x), hf_lookup=_ints(a.hf_lookup),

@@ -92,11 +92,17 @@ def test_draft_bench_reports_what_the_issue_asks(tiny_dirs, eagle_tiny, monkeypa
     assert res["tau_at_4"] == max(s["tau_at_4"] for s in res["proposers"].values() if s["tau_at_4"] is not None)
     assert 0 <= res["agreement"] <= 1 and res["agreement_positions"] > 0 and res["draft_cost_ratio"] > 0
     t = res["tiers"]["fp32"]
-    assert set(t["hf_tok_s"]) == {"hf_generate", "hf_assisted:constant:2", "hf_assisted:heuristic", "hf_lookup:2"}
+    assert set(t["hf_tok_s"]) == {"hf_generate", "hf_generate:stock", "hf_assisted:constant:2", "hf_assisted:heuristic",
+                                  "hf_lookup:2"}
+    assert set(res["ar_vs_fp32"]) == {"fp32", "bf16"} and res["ar_vs_fp32"]["fp32"] == 1.0
     assert t["best_vs_hf_assisted"] == pytest.approx(t["best_tok_s"] / t["hf_assisted_best_tok_s"])
     # Exact where it must be: fp32 and the exact verify at bf16 give HF generate's tokens.
     for w in ("fp32", "bf16/exact"):
         assert all(v == 1.0 for v in res["settings"][w]["identical_to_hf_generate"].values()), w
+        reuse = res["settings"][w]["with_prefix_reuse"]  # and with prefix reuse on (the prompts share a template)
+        assert set(reuse["identical_to_hf_generate"]) == {"ar", res["settings"][w]["best_policy"], "rakv"}
+        assert all(v == 1.0 for v in reuse["identical_to_hf_generate"].values()) and reuse["reused_tokens"] > 0, w
+    assert "with_prefix_reuse" not in res["settings"]["bf16/fast"] and res["exact_identical_to_hf_generate"] == 1.0
     d = res["fast_verify_divergence"]
     assert set(d) == {"bf16/fast"} and 0 <= d["bf16/fast"]["identical_fraction"] <= 1
     assert d["bf16/fast"]["runs"] == 4 * (len(res["settings"]["bf16/fast"]["tok_s"]) - 1)
