@@ -28,6 +28,10 @@ def quant_pair(request):  # bitsandbytes' layers (int8 on a CPU reads through Sp
 
 @pytest.fixture(scope="module", params=["int8", "int4"])
 def kernel_pair(request):
+    from engine.runtime import rowdot
+
+    if (why := rowdot.unavailable()) is not None:
+        pytest.skip(why)
     return load_pair(target_tier=request.param, device="cpu")
 
 

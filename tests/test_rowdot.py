@@ -213,3 +213,9 @@ def test_the_lean_target_read_is_hf_forward_bit_for_bit(wide_dirs, tier):
             outs[name].append(torch.cat([layer.keys[..., : cache.get_seq_length(), :] for layer in cache.layers]))
     assert all(torch.equal(a, b) for a, b in zip(outs["hf"], outs["lean"]))
     assert seen == [40, 1, 5] * 2
+
+
+def test_the_build_here_proves_itself_row_invariant_at_load():
+    """Each build checks its own rows at load (a compiler that contracted or vectorized one row
+    count otherwise would be refused, torch's kernels then used): here it passes."""
+    assert rowdot._not_row_invariant() is None

@@ -95,6 +95,30 @@ def _load() -> str | None:
             torch.ops.load_library(str(lib))
     except (OSError, RuntimeError, subprocess.SubprocessError) as e:
         return f"the row-invariant kernels did not build: {' '.join(str(e).split())[:240]}"
+    if (bad := _not_row_invariant()) is not None:  # a compiler that contracts or vectorizes otherwise
+        return f"the kernels built here round {bad} differently by row count: torch's kernels instead"
+    return None
+
+
+@torch.inference_mode()
+def _not_row_invariant() -> str | None:
+    """The first format (or attention) whose rows, read 1…9 at a time, do not all round alike on
+    this build; None when every one does (a few milliseconds, once per process)."""
+    gen = torch.Generator().manual_seed(0)
+    w = torch.randn(72, 128, generator=gen)
+    x = torch.randn(9, 128, generator=gen)
+    packs = {"fp32": (w,), "bf16": (w.bfloat16(),), "int8": quantize_int8(w), "int4": quantize_int4(w)}
+    for fmt, tensors in packs.items():
+        op = getattr(torch.ops.speclab_rowdot, _OPS[fmt])
+        rows = x.bfloat16() if fmt == "bf16" else x
+        full = op(rows, *tensors)
+        if any(not torch.equal(op(rows[i : i + m], *tensors), full[i : i + m]) for m in (1, 2, 3, 4, 5) for i in (0, 9 - m)):
+            return fmt
+    q, k = torch.randn(2, 9, 64, generator=gen), torch.randn(1, 20, 64, generator=gen)
+    full = torch.ops.speclab_rowdot.attend(q, k, k, 0.125)
+    if any(not torch.equal(torch.ops.speclab_rowdot.attend(q[:, i : i + 1], k[:, : 12 + i], k[:, : 12 + i], 0.125)[0],
+                           full[i]) for i in range(9)):
+        return "attention"
     return None
 
 
