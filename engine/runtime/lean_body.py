@@ -106,8 +106,8 @@ def remove(model: torch.nn.Module) -> None:
 
 class TargetBody:
     """A Llama target converted to the row-invariant kernels (runtime/rowdot.py), read without HF's
-    module machinery (the causal mask built and unused, keyword plumbing, output records: ~a
-    quarter of a plain CPU step of the embedded target). It runs the operations HF's Llama forward
+    module machinery (the causal mask built and unused, keyword plumbing, output records: a plain
+    CPU step's overhead, paid every token). It runs the operations HF's Llama forward
     runs, in the same order, on the same modules (its norms' and rotary embedding's own forwards,
     HF's apply_rotary_pos_emb, the kernels' attention that HF's attention interface would call),
     so its logits and cache are HF's bit for bit (tested at every tier); HF `generate` over the
