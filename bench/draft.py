@@ -419,8 +419,8 @@ def measure(load: Callable[[str, bool | None], ModelPair], settings: list[tuple[
 def reuse_check(pair: ModelPair, ctx: PolicyContext, policies: list[str], timed: list[list[int]],
                 refs: list[list[int]], opts: Options, say=lambda m: None) -> dict:
     """`policies` (`ctx`: the setting's context) on every timed prompt with prefix reuse on, as a
-    live run has it (one prefix cache across the prompts, which share the chat template's system prefix; the first prompt
-    again at the end, an exact repeat), against HF generate's outputs:
+    live run has it (one prefix cache across the prompts, which share the chat template's system
+    prefix; the first prompt again at the end, an exact repeat), against HF generate's outputs:
     {identical_to_hf_generate: {policy: share}, reused_tokens}."""
     from engine.runtime.prefix_cache import PrefixCache
 

@@ -107,9 +107,9 @@ def shape_of(linear: torch.nn.Linear) -> str:
     return f"{out}×{inp}"
 
 
-def _sweep_ms(kernel, linears: list[torch.nn.Linear], x: torch.Tensor) -> float:
-    """ms per call of `kernel` over every linear of one shape in turn (weights read as a forward
-    reads them), repeated until the sweep is long enough to time."""
+def sweep_ms(kernel, linears: list, x: torch.Tensor) -> float:
+    """ms per call of `kernel(linear, x)` over every linear of one shape in turn (weights read as
+    a forward reads them), repeated until the sweep is long enough to time."""
     t0, calls = time.perf_counter(), 0
     while True:
         for lin in linears:
@@ -129,11 +129,11 @@ def probe_shape(linears: list[torch.nn.Linear], candidates: tuple[str, ...]) -> 
     for m in ROWS:
         x = torch.randn(m, w.shape[1], generator=gen).to(w.dtype)  # [M, in]
         for c in candidates:
-            _sweep_ms(KERNELS[c], linears[:1], x)  # a warm-up (and oneDNN's one reorder of the weight)
+            sweep_ms(KERNELS[c], linears[:1], x)  # a warm-up (and oneDNN's one reorder of the weight)
         times: dict[str, list[float]] = {c: [] for c in candidates}
         for r in range(ROUNDS):  # in turns, the order rotated, so a slow spell falls on all alike
             for c in candidates[r % len(candidates):] + candidates[: r % len(candidates)]:
-                times[c].append(_sweep_ms(KERNELS[c], linears[:SWEEP_LINEARS], x))
+                times[c].append(sweep_ms(KERNELS[c], linears[:SWEEP_LINEARS], x))
         med = {c: sorted(t)[len(t) // 2] for c, t in times.items()}
         best = min(med, key=med.get)
         choice.append(best if med[best] < med["stock"] * (1 - MARGIN) else "stock")

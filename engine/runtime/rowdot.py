@@ -2,8 +2,8 @@
 on, and the weight formats they read: fp32, bf16, int8 and 4 bits.
 
 Exactness needs a verify read of k + 1 rows to round every row as a one-row plain step does, and
-BLAS kernels promise no such thing (MKL's sgemm, oneDNN's bf16 paths and torch's weight-only int8
-kernel each take other reduction orders at other row counts, differently on each CPU). The kernel
+BLAS kernels promise no such thing (MKL's sgemm and oneDNN's bf16 paths take other reduction
+orders at other row counts, differently on each CPU). The kernel
 here computes every output element with one routine whatever the row count, so a target whose
 linears all read through it gives a verify that equals plain decoding bit for bit — at every tier,
 on every CPU it builds on — and a verify of 2–5 rows reads the weights once, as one row does.
@@ -26,7 +26,6 @@ import platform
 import shutil
 import subprocess
 import tempfile
-import time
 from functools import lru_cache
 from pathlib import Path
 
@@ -50,6 +49,11 @@ def _cpu_flags() -> str:
     return platform.machine()
 
 
+def _compiler() -> str | None:
+    return os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
+
+
+@lru_cache(maxsize=4)
 def _build_key(compiler: str) -> str:
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=30).stdout
     text = "\n".join([SOURCE.read_text(), _cpu_flags(), version, torch.__version__])
@@ -78,7 +82,7 @@ def _load() -> str | None:
     """Builds (once per machine) and loads the library: None, or why it is not available."""
     if os.environ.get("SPECLAB_ROWDOT", "on").lower() in ("off", "0", "no"):
         return "turned off by SPECLAB_ROWDOT"
-    compiler = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
+    compiler = _compiler()
     if compiler is None:
         return "no C++ compiler (install g++) to build the row-invariant kernels"
     from engine.runtime.kernel_probe import kernel_dir
@@ -130,8 +134,7 @@ def unavailable() -> str | None:
 def build_id() -> str:
     """Which build this process reads through (part of the kernel-set name of a cost table)."""
     assert _load() is None
-    compiler = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
-    return _build_key(compiler)[:8]
+    return _build_key(_compiler())[:8]
 
 
 # -- the weight formats -------------------------------------------------------------------------------
@@ -307,16 +310,6 @@ def attention(module, query: torch.Tensor, key: torch.Tensor, value: torch.Tenso
 
 # -- this machine's figures ---------------------------------------------------------------------------
 TIMED_ROWS = tuple(range(1, 10))  # a plain step and the verifies of γ = 1…8
-SWEEP = 16  # linears of one shape read in turn per timing, as a forward reads them (weights from memory)
-
-
-def _sweep_ms(fn, weights: list, x: torch.Tensor, min_s: float = 2e-3) -> float:
-    t0, calls = time.perf_counter(), 0
-    while (elapsed := time.perf_counter() - t0) < min_s or calls == 0:
-        for w in weights:
-            fn(x, w)
-        calls += len(weights)
-    return elapsed * 1e3 / calls
 
 
 def timings(model: torch.nn.Module, rounds: int = 3) -> list[dict]:
@@ -324,6 +317,8 @@ def timings(model: torch.nn.Module, rounds: int = 3) -> list[dict]:
     torch's own `linear` over the same weights at the tier's float dtype (the dequantized weight for
     int8/int4: what the tier would read without these kernels), medians of `rounds` sweeps taken in
     turn, and their ratio."""
+    from engine.runtime.kernel_probe import SWEEP_LINEARS, sweep_ms
+
     by_shape: dict[str, list[RowLinear]] = {}
     for m in model.modules():
         if isinstance(m, RowLinear):
@@ -332,17 +327,15 @@ def timings(model: torch.nn.Module, rounds: int = 3) -> list[dict]:
     out = []
     with torch.inference_mode():
         for shape, mods in by_shape.items():
-            mods = mods[:SWEEP]
+            mods = mods[:SWEEP_LINEARS]
             fmt, dtype = mods[0].fmt, torch.bfloat16 if mods[0].fmt == "bf16" else torch.float32
             floats = [m.tensors[0] if fmt in ("fp32", "bf16") else dequantize(fmt, m.tensors) for m in mods]
             for rows in TIMED_ROWS:
                 x = torch.randn(rows, mods[0].in_features, generator=gen).to(dtype)
-                ours = lambda x, m: m._op(x, *m.tensors)  # noqa: E731
-                theirs = lambda x, w: F.linear(x, w)  # noqa: E731
                 ms: dict[str, list[float]] = {"rowdot": [], "stock": []}
                 for _ in range(rounds):
-                    ms["rowdot"].append(_sweep_ms(ours, mods, x))
-                    ms["stock"].append(_sweep_ms(theirs, floats, x))
+                    ms["rowdot"].append(sweep_ms(lambda m, x: m._op(x, *m.tensors), mods, x))
+                    ms["stock"].append(sweep_ms(lambda w, x: F.linear(x, w), floats, x))
                 med = {k: sorted(v)[len(v) // 2] for k, v in ms.items()}
                 out.append(dict(shape=shape, rows=rows, kernel="rowdot", rowdot_ms=med["rowdot"], stock_ms=med["stock"],
                                 vs_stock=med["rowdot"] / med["stock"], count=len(by_shape[shape])))
