@@ -14,7 +14,7 @@ another machine or release builds its own; where it cannot build (no compiler, a
 failure) `unavailable()` says why in one line and the float tiers keep torch's own kernels.
 $SPECLAB_ROWDOT=off turns it off (a peer run, a test of the fallback).
 
-Every read goes through it, a prompt's prefill too (where BLAS's GEMM would be ~2× faster): a
+Every read goes through it, a prompt's prefill too (where BLAS's blocked GEMM is faster): a
 prefix's KV reused from another prompt's prefill then holds the bits a whole prefill of this
 prompt would, so prefix reuse stays exact. Attention likewise (`attention`): each query row the
 same arithmetic whatever the read's length, which torch's SDPA does not promise either."""
