@@ -219,3 +219,42 @@ def test_the_build_here_proves_itself_row_invariant_at_load():
     """Each build checks its own rows at load (a compiler that contracted or vectorized one row
     count otherwise would be refused, torch's kernels then used): here it passes."""
     assert rowdot._not_row_invariant() is None
+
+
+@pytest.mark.parametrize("tier,tol", [("fp32", 1e-4), ("bf16", 0.15)])
+def test_the_kernels_modules_compute_what_hfs_torch_modules_do(wide_dirs, tier, tol):
+    """A converted Llama's norms, SwiGLU and rotary run the kernels' own steps (row_llama.py):
+    their logits agree with HF's torch modules over the same weights to the dtype's rounding (so
+    the bit-for-bit checks above compare two correct reads, not two equal wrong ones), and a
+    verify-length read's rows equal the same rows read one by one."""
+    from engine.runtime import row_llama
+    from engine.runtime.forward import TARGET_BODY, forward_logits
+    from engine.runtime.models import load_model
+    from engine.runtime.verify_kernels import stock_kernels
+
+    model = load_model(str(wide_dirs[0]), tier, torch.device("cpu"))
+    rowdot.convert(model, tier)
+    assert getattr(model, TARGET_BODY, None) is not None and row_llama.refuses(model) is None
+    assert type(model.get_decoder().layers[0].mlp).__name__ == "RowMLP"
+    ids = list(range(3, 40))
+    with torch.inference_mode():
+        ours, _ = forward_logits(model, ids, None, len(ids))
+        with stock_kernels():
+            hf, _ = forward_logits(model, ids, None, len(ids))
+        cache, rows = None, []
+        for i in ids:
+            out, cache = forward_logits(model, [i], cache, 1)
+            rows.append(out)
+    assert torch.equal(torch.cat(rows), ours)
+    assert (ours - hf).abs().max() <= tol * hf.abs().max(), (ours - hf).abs().max()
+
+
+def test_a_model_the_fused_read_does_not_replicate_keeps_hfs_modules(wide_dirs):
+    from engine.runtime import row_llama
+    from engine.runtime.models import load_model
+
+    model = load_model(str(wide_dirs[0]), "fp32", torch.device("cpu"))
+    model.config.hidden_act = "gelu"
+    assert row_llama.refuses(model) == "a Llama with another activation or biases"
+    assert not row_llama.install(model)
+    assert type(model.get_decoder().layers[0].mlp).__name__ == "LlamaMLP"

@@ -10,7 +10,7 @@ from engine.runtime.kv.cache import new_cache
 from engine.runtime.verify_kernels import stock
 
 BODY = "speclab_body"  # a draft's lean body read, where it has one (engine/runtime/lean_body.py)
-TARGET_BODY = "speclab_target_body"  # a target's lean read on the row-invariant kernels (lean_body.py)
+TARGET_BODY = "speclab_target_body"  # a target's fused read on the row-invariant kernels (row_llama.py)
 
 
 def forward_logits(model: torch.nn.Module, ids: list[int], cache, keep: int, vocab: int | None = None,
@@ -27,7 +27,8 @@ def forward_logits(model: torch.nn.Module, ids: list[int], cache, keep: int, voc
         cache = new_cache(model)
     if gather and keep == 1 and (body := getattr(model, BODY, None)) is not None:  # a lean draft (lean_body.py)
         return model.get_output_embeddings()(body(ids, cache)[None])[0, :, :vocab].float(), cache
-    if (lean := getattr(model, TARGET_BODY, None)) is not None and not gather and not stock():  # lean_body.py
+    if (lean := getattr(model, TARGET_BODY, None)) is not None and not gather and not stock() \
+            and not torch.is_grad_enabled():  # row_llama.py
         return lean(ids, cache, keep)[0, :, :vocab].float(), cache
     x = torch.tensor([ids], device=model.device)  # [B=1, S]
     rows = torch.arange(len(ids) - keep, len(ids), device=model.device) if gather else keep

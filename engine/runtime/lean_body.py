@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 
 from engine.runtime import int8_kernel
-from engine.runtime.forward import BODY, TARGET_BODY
+from engine.runtime.forward import BODY
 
 
 def _stacked(modules) -> tuple[torch.Tensor, torch.Tensor] | None:
@@ -100,54 +100,3 @@ def install(model: torch.nn.Module, linear, attention) -> None:
 
 def remove(model: torch.nn.Module) -> None:
     model.__dict__.pop(BODY, None)
-
-
-# -- the target's read, on the row-invariant kernels ------------------------------------------------
-
-class TargetBody:
-    """A Llama target converted to the row-invariant kernels (runtime/rowdot.py), read without HF's
-    module machinery (the causal mask built and unused, keyword plumbing, output records: a plain
-    CPU step's overhead, paid every token). It runs the operations HF's Llama forward
-    runs, in the same order, on the same modules (its norms' and rotary embedding's own forwards,
-    HF's apply_rotary_pos_emb, the kernels' attention that HF's attention interface would call),
-    so its logits and cache are HF's bit for bit (tested at every tier); HF `generate` over the
-    model stays the exactness reference. The final norm is called as a module, so forward hooks
-    on it (eagle_head.FeatureTap) see every read."""
-
-    def __init__(self, model: torch.nn.Module, attention) -> None:
-        from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
-
-        self.body, self.head, self.attention = model.get_decoder(), model.get_output_embeddings(), attention
-        self.rotate = apply_rotary_pos_emb
-
-    def __call__(self, ids: list[int], cache, keep: int) -> torch.Tensor:
-        """Logits [1, keep, V] for the last `keep` of `ids`, read after `cache` (updated)."""
-        body = self.body
-        s, past = len(ids), cache.get_seq_length()
-        x = body.embed_tokens.forward(torch.tensor([ids], device=body.embed_tokens.weight.device))  # [1, S, H]
-        positions = torch.arange(past, past + s, device=x.device)[None]  # [1, S]
-        cos, sin = body.rotary_emb.forward(x, positions)  # [1, S, D] each
-        for layer in body.layers:
-            a, mlp = layer.self_attn, layer.mlp
-            h = layer.input_layernorm.forward(x)
-            shape = (1, s, -1, a.head_dim)
-            q = a.q_proj.forward(h).view(shape).transpose(1, 2)  # [1, heads, S, D]
-            k = a.k_proj.forward(h).view(shape).transpose(1, 2)  # [1, kv heads, S, D]
-            v = a.v_proj.forward(h).view(shape).transpose(1, 2)
-            q, k = self.rotate(q, k, cos, sin)
-            k, v = cache.update(k, v, a.layer_idx)  # [1, kv heads, past + S, D]
-            out, _ = self.attention(a, q, k, v, scaling=a.scaling)  # [1, S, heads, D]
-            x = x + a.o_proj.forward(out.reshape(1, s, -1).contiguous())
-            h = layer.post_attention_layernorm.forward(x)
-            x = x + mlp.down_proj.forward(mlp.act_fn(mlp.gate_proj.forward(h)) * mlp.up_proj.forward(h))
-        x = body.norm(x)  # [1, S, H]; a module call: its hooks run
-        return self.head.forward(x[:, -keep:, :])  # [1, keep, V]
-
-
-def install_target(model: torch.nn.Module, attention) -> bool:
-    """Gives a converted Llama target (its type checked: the read replicates LlamaModel's forward)
-    the lean read; returns whether it did."""
-    if type(model).__name__ != "LlamaForCausalLM" or type(model.get_decoder()).__name__ != "LlamaModel":
-        return False
-    setattr(model, TARGET_BODY, TargetBody(model, attention))
-    return True

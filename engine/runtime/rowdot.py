@@ -260,9 +260,9 @@ def convert(model: torch.nn.Module, fmt: str) -> int:
                 count += 1
         if hasattr(parent, "q_proj") and hasattr(parent, "o_proj"):  # an attention block: `attention` serves it
             setattr(parent, ATTENTION, True)
-    from engine.runtime import lean_body
+    from engine.runtime import row_llama
 
-    lean_body.install_target(model, attention)  # a Llama: read without HF's module machinery
+    row_llama.install(model)  # a Llama: its norms, MLPs and rotary on the kernels, and the fused read
     if fmt in ("int8", "int4"):  # the float copies the quantized layers replaced are gone; keep it so
         import gc
 

@@ -49,12 +49,16 @@ static inline float reduce(v16 a0, v16 a1, v16 a2, v16 a3) {
 // R input rows against one weight row w [k]: y[r · ys] = Σ_i w[i] · x[r · k + i]. Every row gets
 // the same operations in the same order whatever R (four 16-lane FMA chains over i, then
 // `reduce`): R only decides how many rows share each load of w. Rows are taken four at a time
-// (16 accumulators and the four weight vectors fit AVX-512's 32 registers).
-template <int R>
-static void tile(const float* w, const float* x, int64_t k, float* y, int64_t ys) {
+// (16 accumulators and the four weight vectors fit AVX-512's 32 registers). A bf16 row widens
+// in registers (exact: bf16 is fp32's top half).
+static inline v16 load_w(const float* p) { return load_f32(p); }
+static inline v16 load_w(const uint16_t* p) { return load_bf16(p); }
+
+template <int R, typename W>
+static void tile(const W* w, const float* x, int64_t k, float* y, int64_t ys) {
   v16 acc[R][4] = {};
   for (int64_t i = 0; i < k; i += 64) {
-    const v16 w0 = load_f32(w + i), w1 = load_f32(w + i + 16), w2 = load_f32(w + i + 32), w3 = load_f32(w + i + 48);
+    const v16 w0 = load_w(w + i), w1 = load_w(w + i + 16), w2 = load_w(w + i + 32), w3 = load_w(w + i + 48);
     for (int r = 0; r < R; ++r) {
       const float* xr = x + r * k + i;
       acc[r][0] += w0 * load_f32(xr);
@@ -66,7 +70,8 @@ static void tile(const float* w, const float* x, int64_t k, float* y, int64_t ys
   for (int r = 0; r < R; ++r) y[r * ys] = reduce(acc[r][0], acc[r][1], acc[r][2], acc[r][3]);
 }
 
-static void rows_against(const float* w, const float* x, int64_t k, int64_t m, float* y, int64_t ys) {
+template <typename W>
+static void rows_against(const W* w, const float* x, int64_t k, int64_t m, float* y, int64_t ys) {
   int64_t r = 0;
   for (; r + 4 <= m; r += 4) tile<4>(w, x + r * k, k, y + r * ys, ys);
   switch (m - r) {
@@ -76,92 +81,195 @@ static void rows_against(const float* w, const float* x, int64_t k, int64_t m, f
   }
 }
 
-// One weight row at fp32 into buf: the dequantization each format needs, done once per row and
-// read by every input row (fp32 is read in place).
-static inline const float* row_f32(const at::Tensor& w, int64_t o, int64_t k, float*) { return w.data_ptr<float>() + o * k; }
-static inline const float* row_bf16(const at::Tensor& w, int64_t o, int64_t k, float* buf) {
-  const uint16_t* p = reinterpret_cast<const uint16_t*>(w.data_ptr<at::BFloat16>()) + o * k;
-  for (int64_t i = 0; i < k; i += 16) { v16 v = load_bf16(p + i); std::memcpy(buf + i, &v, 64); }
-  return buf;
-}
-
-constexpr int64_t AHEAD = 4;
-
-template <typename Row>
-static at::Tensor run(const at::Tensor& x, int64_t out, int64_t k, Row row, at::ScalarType out_type,
-                      const char* base, int64_t row_bytes) {
-  TORCH_CHECK(x.dim() == 2 && x.size(1) == k && k % 64 == 0, "rowdot: x must be [M, ", k, "], k % 64 == 0");
-  at::Tensor xf = x.to(at::kFloat).contiguous();  // [M, K]
-  const int64_t m = xf.size(0);
-  at::Tensor y = at::empty({m, out}, xf.options());  // [M, O]
-  const float* xp = xf.data_ptr<float>();
-  float* yp = y.data_ptr<float>();
-  at::parallel_for(0, out, 64, [&](int64_t begin, int64_t end) {
-    alignas(64) float buf[8192];
-    for (int64_t o = begin; o < end; ++o) {
-      if (o + AHEAD < end)  // the row after next, line by line: one stream per thread is not enough here
-        for (int64_t b = 0; b < row_bytes; b += 64) __builtin_prefetch(base + (o + AHEAD) * row_bytes + b);
-      const float* wr = row(o, buf);
-      rows_against(wr, xp, k, m, yp + o, out);
+#ifdef __AVX512BF16__
+#include <immintrin.h>
+// Where the CPU has AVX512-BF16 (Intel since Cooper Lake, AMD since Zen 4), a bf16 weight meets
+// its input rounded to bf16 in `vdpbf16ps`: 32 products a step, each exact in fp32, summed into
+// two 16-lane chains over k in order (the instruction's own fixed pairing), then `reduce`. A bf16
+// model's activations are bf16 already (every module hands bf16 on), so rounding the input loses
+// nothing there; the arithmetic, like the tile's, is the same whatever the row count.
+template <int R>
+static void tile_dp(const uint16_t* w, const uint16_t* x, int64_t k, float* y, int64_t ys) {
+  __m512 acc[R][2];
+  for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
+  for (int64_t i = 0; i < k; i += 64) {
+    const __m512bh w0 = (__m512bh)_mm512_loadu_si512(w + i), w1 = (__m512bh)_mm512_loadu_si512(w + i + 32);
+    for (int r = 0; r < R; ++r) {
+      const uint16_t* xr = x + r * k + i;
+      acc[r][0] = _mm512_dpbf16_ps(acc[r][0], w0, (__m512bh)_mm512_loadu_si512(xr));
+      acc[r][1] = _mm512_dpbf16_ps(acc[r][1], w1, (__m512bh)_mm512_loadu_si512(xr + 32));
     }
-  });
-  return out_type == at::kFloat ? y : y.to(out_type);
+  }
+  for (int r = 0; r < R; ++r) {
+    v16 a0, a1; std::memcpy(&a0, &acc[r][0], 64); std::memcpy(&a1, &acc[r][1], 64);
+    y[r * ys] = reduce(a0, a1, v16{}, v16{});
+  }
 }
 
-at::Tensor linear_f32(const at::Tensor& x, const at::Tensor& w) {
-  TORCH_CHECK(w.scalar_type() == at::kFloat && w.is_contiguous(), "rowdot: fp32 weight");
-  const int64_t k = w.size(1);
-  return run(x, w.size(0), k, [&](int64_t o, float* b) { return row_f32(w, o, k, b); }, x.scalar_type(),
-             (const char*)w.data_ptr(), k * 4);
+static void rows_against_dp(const uint16_t* w, const uint16_t* x, int64_t k, int64_t m, float* y, int64_t ys) {
+  int64_t r = 0;
+  for (; r + 4 <= m; r += 4) tile_dp<4>(w, x + r * k, k, y + r * ys, ys);
+  switch (m - r) {
+    case 3: tile_dp<3>(w, x + r * k, k, y + r * ys, ys); break;
+    case 2: tile_dp<2>(w, x + r * k, k, y + r * ys, ys); break;
+    case 1: tile_dp<1>(w, x + r * k, k, y + r * ys, ys); break;
+  }
+}
+#endif
+
+// A linear's weight as the kernel reads it: its format, bytes and (int8/int4) scales.
+enum Format { F32, BF16, I8, I4 };
+struct Weight {
+  Format fmt; const char* base; const float* aux; int64_t out, k, row_bytes;
+};
+
+// The tensors of a RowLinear (engine/runtime/rowdot.py): fp32 or bf16 [O, K]; int8 [O, K] and a
+// scale per row; 4 bits packed [O, K/2] and scale_min [O, K/32, 2].
+static Weight weight_of(at::TensorList t) {
+  TORCH_CHECK(!t.empty() && t[0].is_contiguous() && t[0].dim() == 2, "rowdot: a weight is one contiguous [O, K]");
+  const at::Tensor& w = t[0];
+  const int64_t o = w.size(0);
+  switch (w.scalar_type()) {
+    case at::kFloat: return {F32, (const char*)w.data_ptr(), nullptr, o, w.size(1), w.size(1) * 4};
+    case at::kBFloat16: return {BF16, (const char*)w.data_ptr(), nullptr, o, w.size(1), w.size(1) * 2};
+    case at::kChar:
+      TORCH_CHECK(t.size() == 2 && t[1].scalar_type() == at::kFloat && t[1].is_contiguous(), "rowdot: int8 scales");
+      return {I8, (const char*)w.data_ptr(), t[1].data_ptr<float>(), o, w.size(1), w.size(1)};
+    case at::kByte:
+      TORCH_CHECK(t.size() == 2 && t[1].scalar_type() == at::kFloat && t[1].is_contiguous(), "rowdot: int4 scales");
+      return {I4, (const char*)w.data_ptr(), t[1].data_ptr<float>(), o, w.size(1) * 2, w.size(1)};
+    default: TORCH_CHECK(false, "rowdot: no weight format for ", w.scalar_type());
+  }
 }
 
-at::Tensor linear_bf16(const at::Tensor& x, const at::Tensor& w) {
-  TORCH_CHECK(w.scalar_type() == at::kBFloat16 && w.is_contiguous() && w.size(1) <= 8192, "rowdot: bf16 weight");
-  const int64_t k = w.size(1);
-  return run(x, w.size(0), k, [&](int64_t o, float* b) { return row_bf16(w, o, k, b); }, x.scalar_type(),
-             (const char*)w.data_ptr(), k * 2);
-}
-
-// int8: w[o, k] = q[o, k] · scale[o]; the scale is applied to the row's dequantized weights so
-// that one dot serves every format.
-at::Tensor linear_int8(const at::Tensor& x, const at::Tensor& q, const at::Tensor& scale) {
-  TORCH_CHECK(q.scalar_type() == at::kChar && q.is_contiguous() && q.size(1) <= 8192, "rowdot: int8 weight");
-  const int64_t k = q.size(1);
-  const int8_t* qp = q.data_ptr<int8_t>();
-  const float* sp = scale.data_ptr<float>();
-  return run(x, q.size(0), k, [&](int64_t o, float* b) {
-    const v16 s = v16{} + sp[o];
-    for (int64_t i = 0; i < k; i += 16) { v16 v = load_i8(qp + o * k + i) * s; std::memcpy(b + i, &v, 64); }
-    return (const float*)b;
-  }, x.scalar_type(), (const char*)qp, k);
-}
-
-// 4 bits: per group of 32 inputs, byte j holds input j (low nibble) and input j + 16 (high);
-// w = q · scale + minimum (scale_min [O, K/32, 2]).
-at::Tensor linear_int4(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scale_min) {
-  TORCH_CHECK(packed.scalar_type() == at::kByte && packed.is_contiguous() && packed.size(1) * 2 <= 8192, "rowdot: int4 weight");
-  const int64_t k = packed.size(1) * 2;
-  const uint8_t* pp = packed.data_ptr<uint8_t>();
-  const float* sm = scale_min.data_ptr<float>();
-  return run(x, packed.size(0), k, [&](int64_t o, float* b) {
+// Weight row o as the tile reads it: fp32 and bf16 in place, int8 and 4 bits dequantized to fp32
+// into buf (once per row, read by every input row).
+template <Format F>
+static inline auto row_of(const Weight& w, int64_t o, float* buf) {
+  const int64_t k = w.k;
+  if constexpr (F == F32) {
+    return reinterpret_cast<const float*>(w.base) + o * k;
+  } else if constexpr (F == BF16) {
+    return reinterpret_cast<const uint16_t*>(w.base) + o * k;
+  } else if constexpr (F == I8) {  // w[o, k] = q[o, k] · scale[o]
+    const int8_t* q = reinterpret_cast<const int8_t*>(w.base) + o * k;
+    const v16 s = v16{} + w.aux[o];
+    for (int64_t i = 0; i < k; i += 16) { v16 v = load_i8(q + i) * s; std::memcpy(buf + i, &v, 64); }
+    return (const float*)buf;
+  } else {  // per group of 32 inputs, byte j holds input j (low nibble) and j + 16 (high); w = q · scale + min
+    const uint8_t* pp = reinterpret_cast<const uint8_t*>(w.base) + o * (k / 2);
     for (int64_t g = 0; g < k / 32; ++g) {
-      v16u8 u; std::memcpy(&u, pp + o * (k / 2) + g * 16, 16);
-      const float* p = sm + (o * (k / 32) + g) * 2;
+      v16u8 u; std::memcpy(&u, pp + g * 16, 16);
+      const float* p = w.aux + (o * (k / 32) + g) * 2;
       const v16 s = v16{} + p[0], mn = v16{} + p[1];
       v16 lo = from_u8(u & (uint8_t)15) * s + mn;
       v16 hi = from_u8(u >> 4) * s + mn;
-      std::memcpy(b + g * 32, &lo, 64); std::memcpy(b + g * 32 + 16, &hi, 64);
+      std::memcpy(buf + g * 32, &lo, 64); std::memcpy(buf + g * 32 + 16, &hi, 64);
     }
-    return (const float*)b;
-  }, x.scalar_type(), (const char*)pp, k / 2);
+    return (const float*)buf;
+  }
 }
 
+constexpr int64_t AHEAD = 4;
+constexpr int64_t MAX_K = 8192;
+
+// y [M, O] = x [M, K] · wᵀ, every element by `rows_against` (fp32 in and out).
+template <Format F>
+static void matmul_as(const Weight& w, const float* x, int64_t m, float* y) {
+  at::parallel_for(0, w.out, 64, [&](int64_t begin, int64_t end) {
+    alignas(64) float buf[MAX_K];
+    for (int64_t o = begin; o < end; ++o) {
+      if (o + AHEAD < end)  // the row after next, line by line: one stream per thread is not enough here
+        for (int64_t b = 0; b < w.row_bytes; b += 64) __builtin_prefetch(w.base + (o + AHEAD) * w.row_bytes + b);
+      rows_against(row_of<F>(w, o, buf), x, w.k, m, y + o, w.out);
+    }
+  });
+}
+
+static void matmul(const Weight& w, const float* x, int64_t m, float* y) {
+  TORCH_CHECK(w.k % 64 == 0 && w.k <= MAX_K, "rowdot: K must be a multiple of 64, at most ", MAX_K);
+  switch (w.fmt) {
+    case F32: return matmul_as<F32>(w, x, m, y);
+    case BF16:
+#ifdef __AVX512BF16__
+    {
+      std::vector<uint16_t> xb(m * w.k);  // the input at bf16 (round to nearest even)
+      for (int64_t i = 0; i < m * w.k; ++i) xb[i] = c10::BFloat16(x[i]).x;
+      const uint16_t* wb = reinterpret_cast<const uint16_t*>(w.base);
+      at::parallel_for(0, w.out, 64, [&](int64_t begin, int64_t end) {
+        for (int64_t o = begin; o < end; ++o) {
+          if (o + AHEAD < end)
+            for (int64_t b = 0; b < w.row_bytes; b += 64) __builtin_prefetch(w.base + (o + AHEAD) * w.row_bytes + b);
+          rows_against_dp(wb + o * w.k, xb.data(), w.k, m, y + o, w.out);
+        }
+      });
+      return;
+    }
+#else
+      return matmul_as<BF16>(w, x, m, y);
+#endif
+    case I8: return matmul_as<I8>(w, x, m, y);
+    case I4: return matmul_as<I4>(w, x, m, y);
+  }
+}
+
+// -- the activations' rounding and the decoder's elementwise steps ----------------------------------
+// Values live in fp32 buffers; where HF's module would hand a bf16 model a bf16 tensor, they are
+// rounded to bf16 (round to nearest even, as torch's conversion) in place. Each step is one
+// out-of-line function over one row, so every row of every read, and the module-by-module read
+// (the RowNorm/RowMLP/RowAttention forwards) and the fused one (`layer_pre`/`layer_post`), run
+// the very same machine code.
+static void round_to(at::ScalarType t, float* p, int64_t n) {
+  if (t == at::kBFloat16)
+    for (int64_t i = 0; i < n; ++i) p[i] = static_cast<float>(c10::BFloat16(p[i]));
+}
+
+// RMSNorm: y = w · (x / sqrt(mean(x²) + eps)), the normalized x rounded first (HF's order).
+__attribute__((noinline)) static void norm_row(const float* x, const float* w, int64_t n, float eps,
+                                               at::ScalarType t, float* y) {
+  v16 a0 = {}, a1 = {}, a2 = {}, a3 = {};
+  for (int64_t i = 0; i < n; i += 64) {
+    const v16 x0 = load_f32(x + i), x1 = load_f32(x + i + 16), x2 = load_f32(x + i + 32), x3 = load_f32(x + i + 48);
+    a0 += x0 * x0; a1 += x1 * x1; a2 += x2 * x2; a3 += x3 * x3;
+  }
+  const float r = 1.0f / std::sqrt(reduce(a0, a1, a2, a3) / (float)n + eps);
+  for (int64_t i = 0; i < n; ++i) y[i] = x[i] * r;
+  round_to(t, y, n);
+  for (int64_t i = 0; i < n; ++i) y[i] = w[i] * y[i];
+  round_to(t, y, n);
+}
+
+// Rotary embedding of one position's heads, t [heads, D] in place: t·cos + rotate_half(t)·sin.
+__attribute__((noinline)) static void rope_row(float* t, const float* cos, const float* sin, int64_t heads,
+                                               int64_t d, at::ScalarType ty) {
+  const int64_t half = d / 2;
+  for (int64_t h = 0; h < heads; ++h) {
+    float* p = t + h * d;
+    for (int64_t i = 0; i < half; ++i) {
+      const float a = p[i], b = p[i + half];
+      p[i] = a * cos[i] - b * sin[i];
+      p[i + half] = b * cos[i + half] + a * sin[i + half];
+    }
+  }
+  round_to(ty, t, heads * d);
+}
+
+// SwiGLU's middle: silu(g) · u.
+__attribute__((noinline)) static void silu_mul_row(const float* g, const float* u, int64_t n, at::ScalarType t,
+                                                   float* y) {
+  for (int64_t i = 0; i < n; ++i) y[i] = g[i] / (1.0f + std::exp(-g[i])) * u[i];
+  round_to(t, y, n);
+}
+
+__attribute__((noinline)) static void add_row(float* x, const float* y, int64_t n, at::ScalarType t) {
+  for (int64_t i = 0; i < n; ++i) x[i] += y[i];
+  round_to(t, x, n);
+}
 
 // Causal attention for S query rows over N keys, the last S of which are the rows' own: row i sees
-// keys 0 … N − S + i. q [H, S, D], k and v [Hkv, N, D] (grouped heads: head h reads kv head
-// h / (H / Hkv)) → [S, H, D]. Every (head, row) gets the same arithmetic whatever S: its scores by
-// `tile<1>`, their maximum, exp and sum in key order, then Σ p_j · v_j in key order over
-// the sum; a one-row plain step and a verify row at the same position compute the same bits.
+// keys 0 … N − S + i. Every (head, row) gets the same arithmetic whatever S: its scores by
+// `tile<1>`, their maximum, exp and sum in key order, then Σ p_j · v_j in key order over the sum;
+// a one-row plain step and a verify row at the same position compute the same bits.
 static void attend_row(const float* q, const float* k, const float* v, int64_t n, int64_t d, float scale,
                        float* scores, float* out) {
   for (int64_t j = 0; j < n; ++j) tile<1>(k + j * d, q, d, scores + j, 1);
@@ -177,23 +285,176 @@ static void attend_row(const float* q, const float* k, const float* v, int64_t n
   }
 }
 
-at::Tensor attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, double scale) {
-  TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && v.sizes() == k.sizes() && q.size(2) == k.size(2) && q.size(2) % 64 == 0
-              && q.size(0) % k.size(0) == 0 && q.size(1) <= k.size(1), "rowdot: attend shapes");
-  at::Tensor qf = q.to(at::kFloat).contiguous(), kf = k.to(at::kFloat).contiguous(), vf = v.to(at::kFloat).contiguous();
-  const int64_t h = q.size(0), s = q.size(1), d = q.size(2), n = k.size(1), group = h / k.size(0);
-  at::Tensor out = at::empty({s, h, d}, qf.options());
-  const float *qp = qf.data_ptr<float>(), *kp = kf.data_ptr<float>(), *vp = vf.data_ptr<float>();
-  float* op = out.data_ptr<float>();
+// q [H, S, D] (fp32, contiguous), k/v [Hkv, N, D] with rows of D contiguous and heads `kv_stride`
+// apart (a cache's view) → out [S, H, D]; head h reads kv head h / (H / Hkv).
+static void attend_into(const float* q, const float* k, const float* v, int64_t kv_stride, int64_t h, int64_t hkv,
+                        int64_t s, int64_t n, int64_t d, float scale, at::ScalarType t, float* out) {
+  const int64_t group = h / hkv;
   at::parallel_for(0, h * s, 4, [&](int64_t begin, int64_t end) {
     std::vector<float> scores(n);
     for (int64_t w = begin; w < end; ++w) {
       const int64_t head = w / s, row = w % s, kv = head / group;
-      attend_row(qp + (head * s + row) * d, kp + kv * n * d, vp + kv * n * d, n - s + row + 1, d, (float)scale,
-                 scores.data(), op + (row * h + head) * d);
+      float* o = out + (row * h + head) * d;
+      attend_row(q + (head * s + row) * d, k + kv * kv_stride, v + kv * kv_stride, n - s + row + 1, d, scale,
+                 scores.data(), o);
+      round_to(t, o, d);
     }
   });
-  return q.scalar_type() == at::kFloat ? out : out.to(q.scalar_type());
+}
+
+// -- torch-facing ops --------------------------------------------------------------------------------
+static at::Tensor floats(const at::Tensor& x) { return x.to(at::kFloat).contiguous(); }
+
+// Keys or values [Hkv, N, D] as attend_into reads them: a float cache's view in place, else a copy.
+static std::pair<at::Tensor, int64_t> kv_floats(const at::Tensor& t) {
+  if (t.scalar_type() == at::kFloat && t.stride(2) == 1 && t.stride(1) == t.size(2)) return {t, t.stride(0)};
+  at::Tensor c = floats(t);
+  return {c, c.stride(0)};
+}
+
+// The bf16 or fp32 tensor a module hands on, from the fp32 buffer it was computed in.
+static at::Tensor as(const at::Tensor& y, at::ScalarType t) { return t == at::kFloat ? y : y.to(t); }
+
+at::Tensor linear_any(const at::Tensor& x, at::TensorList w) {
+  const Weight wt = weight_of(w);
+  TORCH_CHECK(x.dim() == 2 && x.size(1) == wt.k, "rowdot: x must be [M, ", wt.k, "]");
+  at::Tensor xf = floats(x);  // [M, K]
+  at::Tensor y = at::empty({xf.size(0), wt.out}, xf.options());  // [M, O]
+  matmul(wt, xf.data_ptr<float>(), xf.size(0), y.data_ptr<float>());
+  round_to(x.scalar_type(), y.data_ptr<float>(), y.numel());
+  return as(y, x.scalar_type());
+}
+
+at::Tensor linear_f32(const at::Tensor& x, const at::Tensor& w) {
+  TORCH_CHECK(w.scalar_type() == at::kFloat, "rowdot: fp32 weight");
+  return linear_any(x, {w});
+}
+at::Tensor linear_bf16(const at::Tensor& x, const at::Tensor& w) {
+  TORCH_CHECK(w.scalar_type() == at::kBFloat16, "rowdot: bf16 weight");
+  return linear_any(x, {w});
+}
+at::Tensor linear_int8(const at::Tensor& x, const at::Tensor& q, const at::Tensor& scale) {
+  TORCH_CHECK(q.scalar_type() == at::kChar, "rowdot: int8 weight");
+  return linear_any(x, {q, scale});
+}
+at::Tensor linear_int4(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scale_min) {
+  TORCH_CHECK(packed.scalar_type() == at::kByte, "rowdot: int4 weight");
+  return linear_any(x, {packed, scale_min});
+}
+
+at::Tensor attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, double scale) {
+  TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && v.sizes() == k.sizes() && q.size(2) == k.size(2) && q.size(2) % 64 == 0
+              && q.size(0) % k.size(0) == 0 && q.size(1) <= k.size(1), "rowdot: attend shapes");
+  at::Tensor qf = floats(q);
+  auto [kf, ks] = kv_floats(k);
+  auto [vf, vs] = kv_floats(v);
+  if (ks != vs) vf = floats(vf), vs = vf.stride(0), kf = floats(kf), ks = kf.stride(0);
+  const int64_t h = q.size(0), s = q.size(1), d = q.size(2);
+  at::Tensor out = at::empty({s, h, d}, qf.options());
+  attend_into(qf.data_ptr<float>(), kf.data_ptr<float>(), vf.data_ptr<float>(), ks, h, k.size(0), s, k.size(1), d,
+              (float)scale, q.scalar_type(), out.data_ptr<float>());
+  return as(out, q.scalar_type());
+}
+
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& w, double eps) {
+  TORCH_CHECK(x.dim() == 2 && w.dim() == 1 && x.size(1) == w.size(0) && x.size(1) % 64 == 0, "rowdot: rms_norm shapes");
+  at::Tensor xf = floats(x), wf = floats(w);
+  at::Tensor y = at::empty_like(xf);
+  const int64_t n = xf.size(1);
+  for (int64_t r = 0; r < xf.size(0); ++r)
+    norm_row(xf.data_ptr<float>() + r * n, wf.data_ptr<float>(), n, (float)eps, x.scalar_type(), y.data_ptr<float>() + r * n);
+  return as(y, x.scalar_type());
+}
+
+// t [S, heads, D]; cos and sin [S, D].
+at::Tensor rope(const at::Tensor& t, const at::Tensor& cos, const at::Tensor& sin) {
+  TORCH_CHECK(t.dim() == 3 && cos.dim() == 2 && cos.sizes() == sin.sizes() && cos.size(0) == t.size(0)
+              && cos.size(1) == t.size(2) && t.size(2) % 2 == 0, "rowdot: rope shapes");
+  at::Tensor y = t.to(at::kFloat, /*non_blocking=*/false, /*copy=*/true).contiguous();
+  at::Tensor c = floats(cos), s = floats(sin);
+  const int64_t heads = t.size(1), d = t.size(2);
+  for (int64_t r = 0; r < t.size(0); ++r)
+    rope_row(y.data_ptr<float>() + r * heads * d, c.data_ptr<float>() + r * d, s.data_ptr<float>() + r * d, heads, d,
+             t.scalar_type());
+  return as(y, t.scalar_type());
+}
+
+at::Tensor silu_mul(const at::Tensor& g, const at::Tensor& u) {
+  TORCH_CHECK(g.sizes() == u.sizes() && g.scalar_type() == u.scalar_type(), "rowdot: silu_mul shapes");
+  at::Tensor gf = floats(g).view({-1, g.size(-1)}), uf = floats(u).view({-1, g.size(-1)});
+  at::Tensor y = at::empty_like(gf);
+  const int64_t n = gf.size(1);
+  for (int64_t r = 0; r < gf.size(0); ++r)
+    silu_mul_row(gf.data_ptr<float>() + r * n, uf.data_ptr<float>() + r * n, n, g.scalar_type(), y.data_ptr<float>() + r * n);
+  return as(y, g.scalar_type()).view(g.sizes());
+}
+
+// -- a decoder layer in two calls ---------------------------------------------------------------------
+// The module-by-module read above, composed without a return to Python between steps (a plain CPU
+// step's ~25 small torch calls per layer cost a quarter of its time). layer_pre: x [S, H] →
+// norm → q, k, v → rotary, as q [Hq, S, D], k and v [Hkv, S, D] (the cache's layout). layer_post:
+// attention over the cache's keys and values, o_proj, the residual, norm, gate/up, silu·mul,
+// down, the residual → the next x [S, H]. Every value rounds where the modules' would.
+std::tuple<at::Tensor, at::Tensor, at::Tensor> layer_pre(const at::Tensor& x, const at::Tensor& ln, double eps,
+                                                         at::TensorList wq, at::TensorList wk, at::TensorList wv,
+                                                         const at::Tensor& cos, const at::Tensor& sin) {
+  const at::ScalarType t = x.scalar_type();
+  const Weight q = weight_of(wq), k = weight_of(wk), v = weight_of(wv);
+  const int64_t s = x.size(0), n = x.size(1), d = cos.size(1);
+  TORCH_CHECK(x.dim() == 2 && q.k == n && k.k == n && v.k == n && cos.size(0) == s && n % 64 == 0, "rowdot: layer_pre shapes");
+  at::Tensor xf = floats(x), lnf = floats(ln), cf = floats(cos), sf = floats(sin);
+  at::Tensor h = at::empty_like(xf);
+  for (int64_t r = 0; r < s; ++r)
+    norm_row(xf.data_ptr<float>() + r * n, lnf.data_ptr<float>(), n, (float)eps, t, h.data_ptr<float>() + r * n);
+  at::Tensor out[3];
+  const Weight* ws[3] = {&q, &k, &v};
+  for (int i = 0; i < 3; ++i) {
+    at::Tensor y = at::empty({s, ws[i]->out}, xf.options());  // [S, heads · D]
+    matmul(*ws[i], h.data_ptr<float>(), s, y.data_ptr<float>());
+    round_to(t, y.data_ptr<float>(), y.numel());
+    if (i < 2)
+      for (int64_t r = 0; r < s; ++r)
+        rope_row(y.data_ptr<float>() + r * ws[i]->out, cf.data_ptr<float>() + r * d, sf.data_ptr<float>() + r * d,
+                 ws[i]->out / d, d, t);
+    out[i] = as(y.view({s, ws[i]->out / d, d}).transpose(0, 1).contiguous(), t);  // [heads, S, D]
+  }
+  return {out[0], out[1], out[2]};
+}
+
+at::Tensor layer_post(const at::Tensor& x, const at::Tensor& q, const at::Tensor& keys, const at::Tensor& values,
+                      double scale, at::TensorList wo, const at::Tensor& ln, double eps, at::TensorList wg,
+                      at::TensorList wu, at::TensorList wd) {
+  const at::ScalarType t = x.scalar_type();
+  const Weight o = weight_of(wo), g = weight_of(wg), u = weight_of(wu), dn = weight_of(wd);
+  const int64_t s = x.size(0), n = x.size(1), h = q.size(0), d = q.size(2);
+  TORCH_CHECK(x.dim() == 2 && q.dim() == 3 && q.size(1) == s && o.k == h * d && o.out == n && g.k == n && u.out == g.out
+              && dn.k == g.out && dn.out == n && keys.sizes() == values.sizes() && h % keys.size(0) == 0, "rowdot: layer_post shapes");
+  at::Tensor xf = x.to(at::kFloat, false, /*copy=*/true).contiguous(), qf = floats(q);  // xf: the residual stream, updated
+  auto [kf, ks] = kv_floats(keys);
+  auto [vf, vs] = kv_floats(values);
+  if (ks != vs) vf = floats(vf), vs = vf.stride(0), kf = floats(kf), ks = kf.stride(0);
+  at::Tensor a = at::empty({s, h * d}, xf.options());  // [S, H · D]
+  attend_into(qf.data_ptr<float>(), kf.data_ptr<float>(), vf.data_ptr<float>(), ks, h, keys.size(0), s, keys.size(1), d,
+              (float)scale, t, a.data_ptr<float>());
+  at::Tensor y = at::empty({s, n}, xf.options());
+  matmul(o, a.data_ptr<float>(), s, y.data_ptr<float>());
+  round_to(t, y.data_ptr<float>(), y.numel());
+  float *xp = xf.data_ptr<float>(), *yp = y.data_ptr<float>();
+  for (int64_t r = 0; r < s; ++r) add_row(xp + r * n, yp + r * n, n, t);
+  at::Tensor lnf = floats(ln), hn = at::empty_like(xf);
+  for (int64_t r = 0; r < s; ++r) norm_row(xp + r * n, lnf.data_ptr<float>(), n, (float)eps, t, hn.data_ptr<float>() + r * n);
+  const int64_t m = g.out;
+  at::Tensor gate = at::empty({s, m}, xf.options()), up = at::empty({s, m}, xf.options());
+  matmul(g, hn.data_ptr<float>(), s, gate.data_ptr<float>());
+  matmul(u, hn.data_ptr<float>(), s, up.data_ptr<float>());
+  round_to(t, gate.data_ptr<float>(), gate.numel());
+  round_to(t, up.data_ptr<float>(), up.numel());
+  float *gp = gate.data_ptr<float>(), *up_ = up.data_ptr<float>();
+  for (int64_t r = 0; r < s; ++r) silu_mul_row(gp + r * m, up_ + r * m, m, t, gp + r * m);
+  matmul(dn, gp, s, yp);
+  round_to(t, yp, y.numel());
+  for (int64_t r = 0; r < s; ++r) add_row(xp + r * n, yp + r * n, n, t);
+  return as(xf, t);
 }
 
 TORCH_LIBRARY(speclab_rowdot, m) {
@@ -202,4 +463,12 @@ TORCH_LIBRARY(speclab_rowdot, m) {
   m.def("linear_int8(Tensor x, Tensor q, Tensor scale) -> Tensor", linear_int8);
   m.def("linear_int4(Tensor x, Tensor packed, Tensor scale_min) -> Tensor", linear_int4);
   m.def("attend(Tensor q, Tensor k, Tensor v, float scale) -> Tensor", attend);
+  m.def("linear(Tensor x, Tensor[] w) -> Tensor", linear_any);
+  m.def("rms_norm(Tensor x, Tensor w, float eps) -> Tensor", rms_norm);
+  m.def("rope(Tensor t, Tensor cos, Tensor sin) -> Tensor", rope);
+  m.def("silu_mul(Tensor g, Tensor u) -> Tensor", silu_mul);
+  m.def("layer_pre(Tensor x, Tensor ln, float eps, Tensor[] wq, Tensor[] wk, Tensor[] wv, Tensor cos, Tensor sin)"
+        " -> (Tensor, Tensor, Tensor)", layer_pre);
+  m.def("layer_post(Tensor x, Tensor q, Tensor keys, Tensor values, float scale, Tensor[] wo, Tensor ln, float eps,"
+        " Tensor[] wg, Tensor[] wu, Tensor[] wd) -> Tensor", layer_post);
 }
