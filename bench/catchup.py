@@ -23,7 +23,7 @@ from engine.base.helpers import median_ms
 from engine.datasets.prompts import heldout
 from engine.lab.generation import encode_prompt
 from engine.oracles.model import draft_read
-from engine.runtime import invariance
+from engine.runtime import invariance, rowdot
 from engine.runtime.forward import crop_to, forward_logits, sync_device
 from engine.runtime.models import ModelPair, load_pair
 from engine.service.options import add_model_args
@@ -36,6 +36,9 @@ def measure(pair: ModelPair, reps: int = 9) -> dict:
     if not pair.draft_row_invariant:
         raise ValueError("the load-time probe found no row-invariant forward for this draft on this machine: "
                          "it reads row by row already, there is nothing to compare")
+    if rowdot.converted(pair.draft)[0]:
+        raise ValueError("this draft reads through the row-invariant kernels (rowdot.convert_draft), whose every "
+                         "split of a read computes the same bits: there is no row-by-row read to compare")
     rows_draft = copy.deepcopy(pair.draft)
     invariance.undo_row_invariant(rows_draft)
     invariance.make_verify_exact(rows_draft)

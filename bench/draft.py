@@ -58,7 +58,7 @@ from engine.decode.policies import PolicyContext
 from engine.lab.generation import Generation, encode_prompt
 from engine.oracles import available
 from engine.oracles.suffix import prompt_key
-from engine.runtime.forward import sync_device
+from engine.runtime.forward import forward_logits, sync_device
 from engine.runtime.kv.cache import new_cache
 from engine.runtime.models import EXACT_VERIFY_TIERS, ModelPair, load_pair
 from engine.runtime.verify_kernels import stock_kernels
@@ -118,14 +118,14 @@ def agreement(pair: ModelPair, prompt_ids: list[int], response: list[int]) -> tu
 
 
 @torch.inference_mode()
+@torch.inference_mode()
 def per_token_ms(model, ids: list[int], device: torch.device, n: int = 24) -> float:
-    """Median ms of a one-token forward after `ids`, cache rolled back each time."""
-    cache = new_cache(model)
-    model(torch.tensor([ids], device=device), cache=cache, use_cache=True, logits_to_keep=1)
-    x = torch.tensor([[ids[-1]]], device=device)
+    """Median ms of a one-token forward after `ids` as a plain step reads it (forward_logits: the
+    fused read where the target has one), cache rolled back each time."""
+    _, cache = forward_logits(model, ids, new_cache(model), 1)
 
     def once() -> None:
-        model(x, cache=cache, use_cache=True, logits_to_keep=1)
+        forward_logits(model, [ids[-1]], cache, 1)
         cache.crop(-1)
 
     return median_ms(once, n, warmup=3, sync=lambda: sync_device(device))
@@ -198,12 +198,16 @@ def _ks(opts: Options) -> list[int]:
 
 
 HF_STOCK = "hf_generate:stock"  # HF generate through torch's own linears, where the tier has other ones
+KERNELS = "@kernels"  # an HF peer read through SpecLab's kernels instead of torch's
 
 
 def hf_settings(opts: Options, tier: str = "fp32") -> list[str]:
     if tier in opts.ar_tiers:  # HF has no CPU kernels of its own at these tiers: generate alone
         return ["hf_generate"]
-    return ["hf_generate", HF_STOCK, *(f"hf_assisted:{s}" for s in opts.hf_assisted),
+    # each HF assisted setting twice: as shipped (torch's linears, HF's modules) and like for like,
+    # through the kernels SpecLab's runs read (the target's, and the draft's fused int8 body; HF
+    # has no reduced-vocabulary draft head, so its draft keeps the full one)
+    return ["hf_generate", HF_STOCK, *(f"hf_assisted:{s}{w}" for s in opts.hf_assisted for w in ("", KERNELS)),
             *(f"hf_lookup:{n}" for n in opts.hf_lookup)]
 
 
@@ -236,9 +240,12 @@ def speclab_runner(pair: ModelPair, policy: str, ctx: PolicyContext | None, hist
 def hf_assistant(pair: ModelPair) -> torch.nn.Module:
     """The draft as HF assisted generation gets it: HF's own forward (a copy without the
     row-invariant reads SpecLab's live runs need)."""
-    if not pair.draft_row_invariant:
-        return pair.draft  # its row-by-row verify patch acts only inside SpecLab's verify
-    from engine.runtime import invariance
+    from engine.runtime import invariance, rowdot
+
+    if not pair.draft_row_invariant or rowdot.converted(pair.draft)[0]:
+        # a row-by-row verify patch acts only inside SpecLab's verify; a draft on the kernels
+        # reads HF's own modules and torch's linears under stock_kernels, where the peers run
+        return pair.draft
 
     m = copy.deepcopy(pair.draft)
     invariance.undo_row_invariant(m)
@@ -249,7 +256,8 @@ def hf_runner(pair: ModelPair, setting: str, assistant: torch.nn.Module | None) 
     from engine.service.export import hf_bind, hf_generate_kwargs
     from engine.service.tuned_config import TunedConfig
 
-    kind, _, arg = setting.partition(":")
+    kind, _, arg = setting.removesuffix(KERNELS).partition(":")
+    ours = setting == "hf_generate" or setting.endswith(KERNELS)
 
     def kwargs(n: int) -> dict:
         kw = dict(max_new_tokens=n, do_sample=False)
@@ -271,9 +279,9 @@ def hf_runner(pair: ModelPair, setting: str, assistant: torch.nn.Module | None) 
         kw = kwargs(n)  # binds the assistant's keys before the clock starts
         sync_device(pair.device)
         t0 = time.perf_counter()
-        # HF generate reads the target as the tier loads it (its kernels: the exactness reference);
-        # every other peer runs as shipped, its reads through torch's own linears
-        with contextlib.nullcontext() if setting == "hf_generate" else stock_kernels():
+        # HF generate reads the target as the tier loads it (its kernels: the exactness reference),
+        # and so does an @kernels peer; every other peer runs as shipped, through torch's linears
+        with contextlib.nullcontext() if ours else stock_kernels():
             out = pair.target.generate(x, attention_mask=torch.ones_like(x), pad_token_id=pad, **kw)
         sync_device(pair.device)
         return out[0, len(ids):].tolist(), None, time.perf_counter() - t0

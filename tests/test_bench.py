@@ -67,8 +67,8 @@ def test_draft_bench_reports_what_the_issue_asks(tiny_dirs, eagle_tiny, monkeypa
 
     # ar and HF assisted made slower on purpose: the ratios against them must show it.
     monkeypatch.setattr(bench_draft, "speclab_runner", _slower(bench_draft.speclab_runner, {"ar"}))
-    monkeypatch.setattr(bench_draft, "hf_runner", _slower(bench_draft.hf_runner, {"hf_assisted:constant:2",
-                                                                                 "hf_assisted:heuristic"}))
+    assisted = {f"hf_assisted:{s}{w}" for s in ("constant:2", "heuristic") for w in ("", bench_draft.KERNELS)}
+    monkeypatch.setattr(bench_draft, "hf_runner", _slower(bench_draft.hf_runner, assisted))
     opts = bench_draft.Options(per_task=1, max_new=6, ks=(2,), hf_assisted=("constant:2", "heuristic"), hf_lookup=(2,),
                                cost_buckets=(64,), cost_reps=1, calibrate_tokens=8, prompts=TINY_PROMPTS,
                                forward_reps=2, say=lambda m: None)
@@ -92,8 +92,8 @@ def test_draft_bench_reports_what_the_issue_asks(tiny_dirs, eagle_tiny, monkeypa
     assert res["tau_at_4"] == max(s["tau_at_4"] for s in res["proposers"].values() if s["tau_at_4"] is not None)
     assert 0 <= res["agreement"] <= 1 and res["agreement_positions"] > 0 and res["draft_cost_ratio"] > 0
     t = res["tiers"]["fp32"]
-    assert set(t["hf_tok_s"]) == {"hf_generate", "hf_generate:stock", "hf_assisted:constant:2", "hf_assisted:heuristic",
-                                  "hf_lookup:2"}
+    # HF assisted both as shipped and through SpecLab's kernels (like for like)
+    assert set(t["hf_tok_s"]) == {"hf_generate", "hf_generate:stock", "hf_lookup:2"} | assisted
     assert set(res["ar_vs_fp32"]) == {"fp32", "bf16"} and res["ar_vs_fp32"]["fp32"] == 1.0
     assert t["best_vs_hf_assisted"] == pytest.approx(t["best_tok_s"] / t["hf_assisted_best_tok_s"])
     # Exact where it must be: fp32 and the exact verify at bf16 give HF generate's tokens.

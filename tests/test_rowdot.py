@@ -258,3 +258,45 @@ def test_a_model_the_fused_read_does_not_replicate_keeps_hfs_modules(wide_dirs):
     assert row_llama.refuses(model) == "a Llama with another activation or biases"
     assert not row_llama.install(model)
     assert type(model.get_decoder().layers[0].mlp).__name__ == "LlamaMLP"
+
+
+def test_a_build_that_crashes_in_its_trial_run_costs_one_line(tmp_path):
+    """A new build is loaded and checked in a child process first: one that dies there (here a
+    stand-in that kills its process on load) is refused with one line and its verdict kept, and
+    this process goes on."""
+    import subprocess
+
+    lib = tmp_path / "rowdot-test.so"
+    src = tmp_path / "crash.cpp"
+    src.write_text("#include <csignal>\n__attribute__((constructor)) static void die() { std::raise(SIGSEGV); }\n")
+    subprocess.run([rowdot._compiler(), "-shared", "-fPIC", str(src), "-o", str(lib)], check=True, timeout=120)
+    why = rowdot._tried(lib, rowdot._compiler())
+    assert why == "the kernels built here crashed in a trial run (SIGSEGV): torch's kernels instead"
+    assert lib.with_suffix(".verdict").read_text() == why  # the next process reads it, tries nothing
+    assert rowdot._tried(lib, "no-such-compiler") == why
+
+
+@pytest.mark.parametrize("draft_tier", ["fp32", "bf16"])
+def test_a_cpu_draft_reads_through_the_kernels_row_invariantly(wide_dirs, draft_tier):
+    """A plain Llama draft on a CPU is put on the kernels with its target (rowdot.convert_draft):
+    its fused body read equals HF's forward over it bit for bit, and any split of a catch-up read
+    reaches the same state and cache (what replay needs), without a probe."""
+    from engine.runtime import invariance
+    from engine.runtime.forward import BODY, forward_last_state
+    from engine.runtime.kv.cache import new_cache
+    from engine.runtime.models import load_pair
+
+    pair = load_pair(str(wide_dirs[0]), str(wide_dirs[1]), target_tier="fp32", draft_tier=draft_tier, device="cpu")
+    assert pair.draft_row_invariant and rowdot.converted(pair.draft) == (14, draft_tier)  # 2 layers × 7; head kept
+    assert invariance._reads_agree(pair.draft)
+    body = getattr(pair.draft, BODY)
+    ids = list(range(3, 30))
+    with torch.inference_mode():
+        outs = []
+        for lean in (True, False):
+            setattr(pair.draft, BODY, body) if lean else delattr(pair.draft, BODY)
+            cache = new_cache(pair.draft)
+            first, cache = forward_last_state(pair.draft, ids[:20], cache)
+            second, cache = forward_last_state(pair.draft, ids[20:], cache)
+            outs.append((first, second, cache.layers[0].keys.clone()))
+    assert all(torch.equal(a, b) for a, b in zip(*outs))

@@ -320,7 +320,9 @@ def load_pair(
     else:
         d_model = load_model(draft, draft_tier, dev, trust_remote_code)
         d_tok = tokenizer if draft == target else load_tokenizer(draft, trust_remote_code)
-    draft_rowinv = invariance.make_row_invariant(d_model)
+    # On a CPU the draft reads through the target's kernels too (fused, row-invariant by
+    # construction); elsewhere, or where they cannot read it, row invariance is probed for.
+    draft_rowinv = (dev.type == "cpu" and rowdot.convert_draft(d_model)) or invariance.make_row_invariant(d_model)
     if not draft_rowinv:  # it reads row by row, batch-invariant
         invariance.make_verify_exact(d_model)
     vocab = check_vocab(tokenizer, d_tok, t_model.config.get_text_config().vocab_size,

@@ -10,13 +10,13 @@ chooses, which a native loop cannot promise to match. So the converted modules c
 and `silu_mul`), and HF's forward over the model — HF `generate`, the exactness reference — runs
 the very functions the fused `layer_pre`/`layer_post` run, in the same order, rounding where each
 module hands on its dtype. The lean read's logits and cache are then HF's bit for bit (tested at
-every tier). Under torch's own kernels (verify_kernels.stock_kernels: the HF peers as shipped) or
+every tier). A draft on the kernels (rowdot.convert_draft) reads the same way (`DraftBody`). Under torch's own kernels (verify_kernels.stock_kernels: the HF peers as shipped) or
 with gradients on, each module runs HF's forward unchanged."""
 from __future__ import annotations
 
 import torch
 
-from engine.runtime.forward import TARGET_BODY
+from engine.runtime.forward import BODY, TARGET_BODY
 from engine.runtime.verify_kernels import stock
 
 
@@ -106,9 +106,9 @@ def refuses(model: torch.nn.Module) -> str | None:
     return None
 
 
-def install(model: torch.nn.Module) -> bool:
-    """Turns a converted Llama target's modules into the kernels' and gives it the fused read;
-    returns whether it did (only a plain Llama: `refuses`)."""
+def install(model: torch.nn.Module, draft: bool = False) -> bool:
+    """Turns a converted Llama's modules into the kernels' and gives it the fused read (a target's
+    logits, or a draft's last state); returns whether it did (only a plain Llama: `refuses`)."""
     if refuses(model) is not None:
         return False
     row_norm, row_mlp, row_attention = _classes()
@@ -119,32 +119,51 @@ def install(model: torch.nn.Module) -> bool:
         layer.post_attention_layernorm.__class__ = row_norm
         layer.mlp.__class__ = row_mlp
         layer.self_attn.__class__ = row_attention
-    setattr(model, TARGET_BODY, TargetBody(model))
+    if draft:
+        setattr(model, BODY, DraftBody(model))
+    else:
+        setattr(model, TARGET_BODY, TargetBody(model))
     return True
 
 
+def _read_layers(body: torch.nn.Module, ids: list[int], cache) -> torch.Tensor:
+    """x [S, H] after every decoder layer (before the final norm) for `ids` read after `cache`,
+    which it updates: per layer one native call before the cache's update (norm, q/k/v, rotary)
+    and one after (attention, o_proj, residual, norm, gate/up, SiLU·up, down, residual)."""
+    ops = _ops()
+    s, past = len(ids), cache.get_seq_length()
+    x = body.embed_tokens.forward(torch.tensor(ids, device=body.embed_tokens.weight.device))  # [S, H]
+    positions = torch.arange(past, past + s, device=x.device)[None]  # [1, S]
+    cos, sin = (t[0] for t in body.rotary_emb.forward(x[None], positions))  # [S, D] each
+    for layer in body.layers:
+        a, mlp, n1, n2 = layer.self_attn, layer.mlp, layer.input_layernorm, layer.post_attention_layernorm
+        q, k, v = ops.layer_pre(x, n1.weight, n1.variance_epsilon, a.q_proj.tensors, a.k_proj.tensors,
+                                a.v_proj.tensors, cos, sin)  # q [heads, S, D]; k, v [kv heads, S, D]
+        k, v = cache.update(k[None], v[None], a.layer_idx)  # [1, kv heads, past + S, D]
+        x = ops.layer_post(x, q, k[0], v[0], a.scaling, a.o_proj.tensors, n2.weight, n2.variance_epsilon,
+                           mlp.gate_proj.tensors, mlp.up_proj.tensors, mlp.down_proj.tensors)  # [S, H]
+    return x
+
+
 class TargetBody:
-    """A converted Llama target read without HF's module machinery: per decoder layer one native
-    call before the cache's update (norm, q/k/v, rotary) and one after (attention, o_proj,
-    residual, norm, gate/up, SiLU·up, down, residual). The final norm is called as a module, so
-    forward hooks on it (eagle_head.FeatureTap) see every read."""
+    """A converted Llama target read without HF's module machinery. The final norm is called as a
+    module, so forward hooks on it (eagle_head.FeatureTap) see every read."""
 
     def __init__(self, model: torch.nn.Module) -> None:
         self.body, self.head = model.get_decoder(), model.get_output_embeddings()
 
     def __call__(self, ids: list[int], cache, keep: int) -> torch.Tensor:
         """Logits [1, keep, V] for the last `keep` of `ids`, read after `cache` (updated)."""
-        body, ops = self.body, _ops()
-        s, past = len(ids), cache.get_seq_length()
-        x = body.embed_tokens.forward(torch.tensor(ids, device=body.embed_tokens.weight.device))  # [S, H]
-        positions = torch.arange(past, past + s, device=x.device)[None]  # [1, S]
-        cos, sin = (t[0] for t in body.rotary_emb.forward(x[None], positions))  # [S, D] each
-        for layer in body.layers:
-            a, mlp, n1, n2 = layer.self_attn, layer.mlp, layer.input_layernorm, layer.post_attention_layernorm
-            q, k, v = ops.layer_pre(x, n1.weight, n1.variance_epsilon, a.q_proj.tensors, a.k_proj.tensors,
-                                    a.v_proj.tensors, cos, sin)  # q [heads, S, D]; k, v [kv heads, S, D]
-            k, v = cache.update(k[None], v[None], a.layer_idx)  # [1, kv heads, past + S, D]
-            x = ops.layer_post(x, q, k[0], v[0], a.scaling, a.o_proj.tensors, n2.weight, n2.variance_epsilon,
-                               mlp.gate_proj.tensors, mlp.up_proj.tensors, mlp.down_proj.tensors)  # [S, H]
-        x = body.norm(x[None])  # [1, S, H]; a module call: its hooks run
+        x = self.body.norm(_read_layers(self.body, ids, cache)[None])  # [1, S, H]; a module call: its hooks run
         return self.head.forward(x[:, -keep:, :])  # [1, keep, V]
+
+
+class DraftBody:
+    """A converted draft's body read (forward.BODY): the final-norm state of the last id, [1, H]
+    contiguous, as `forward_last_state` returns through HF's forward."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        self.body = model.get_decoder()
+
+    def __call__(self, ids: list[int], cache) -> torch.Tensor:
+        return self.body.norm(_read_layers(self.body, ids, cache)[-1:])  # [1, H]

@@ -10,8 +10,10 @@ on every CPU it builds on — and a verify of 2–5 rows reads the weights once,
 
 The library is compiled at first use on each machine (g++ -O3 -march=native, ~10 s) into
 $SPECLAB_KERNEL_DIR under a name that hashes the source, the CPU's flags, the compiler and torch, so
-another machine or release builds its own; where it cannot build (no compiler, another ISA's
-failure) `unavailable()` says why in one line and the float tiers keep torch's own kernels.
+another machine or release builds its own. A new build first loads and checks itself in a child
+process (a verdict file beside it keeps the answer), so a build that crashes on this CPU costs a
+line, not the process. Where it cannot build (no compiler), crashes or fails its check,
+`unavailable()` says why in one line and the float tiers keep torch's own kernels.
 $SPECLAB_ROWDOT=off turns it off (a peer run, a test of the fallback).
 
 Every read goes through it, a prompt's prefill too (where BLAS's blocked GEMM is faster): a
@@ -24,7 +26,9 @@ import hashlib
 import os
 import platform
 import shutil
+import signal
 import subprocess
+import sys
 import tempfile
 from functools import lru_cache
 from pathlib import Path
@@ -77,9 +81,55 @@ def _compile(out: Path, compiler: str) -> None:
         os.replace(part, out)
 
 
+_TRIAL = ("import sys, torch; sys.path.insert(0, {root!r}); torch.ops.load_library({lib!r}); "
+          "from engine.runtime import rowdot; bad = rowdot._not_row_invariant(); print(bad or ''); sys.exit(3 if bad else 0)")
+
+
+def _trial(lib: Path) -> tuple[str, str]:
+    """Loads a new build in a child process and runs its self-check there, so a build that crashes
+    on this CPU (an instruction the compiler chose wrongly, a fault in the native code) costs one
+    line, not the process: ("ok" | "damaged" | "refused", why)."""
+    root = str(Path(__file__).resolve().parents[2])
+    code = _TRIAL.format(root=root, lib=str(lib))
+    try:
+        done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600)
+    except subprocess.TimeoutExpired:
+        return "refused", "the kernels built here hung in a trial run: torch's kernels instead"
+    if done.returncode == 0:
+        return "ok", ""
+    if done.returncode == 3:
+        return "refused", (f"the kernels built here round {done.stdout.strip()} differently by row count: "
+                           "torch's kernels instead")
+    if done.returncode < 0:
+        name = signal.Signals(-done.returncode).name
+        return "refused", f"the kernels built here crashed in a trial run ({name}): torch's kernels instead"
+    return "damaged", " ".join((done.stderr.strip().splitlines() or ["no message"])[-1].split())[:200]
+
+
+def _tried(lib: Path, compiler: str) -> str | None:
+    """Builds `lib` where missing and proves it in a child process once (a verdict file beside it
+    keeps the answer for later processes); None, or why it is not used."""
+    verdict = lib.with_suffix(".verdict")
+    if lib.exists() and verdict.exists():
+        text = verdict.read_text()
+        return None if text == "ok" else text
+    for attempt in range(2):
+        if not lib.exists():
+            _compile(lib, compiler)
+        outcome, why = _trial(lib)
+        if outcome == "damaged" and attempt == 0:  # a file cut short (a build killed by hand): built again, once
+            lib.unlink(missing_ok=True)
+            continue
+        if outcome == "damaged":
+            raise RuntimeError(f"a fresh build does not load: {why}")
+        verdict.write_text("ok" if outcome == "ok" else why)
+        return None if outcome == "ok" else why
+    raise AssertionError("unreachable")
+
+
 @lru_cache(maxsize=1)
 def _load() -> str | None:
-    """Builds (once per machine) and loads the library: None, or why it is not available."""
+    """Builds (once per machine), proves and loads the library: None, or why it is not available."""
     if os.environ.get("SPECLAB_ROWDOT", "on").lower() in ("off", "0", "no"):
         return "turned off by SPECLAB_ROWDOT"
     compiler = _compiler()
@@ -89,17 +139,20 @@ def _load() -> str | None:
 
     try:
         lib = kernel_dir() / f"rowdot-{_build_key(compiler)}.so"
-        if not lib.exists():
-            _compile(lib, compiler)
-        try:
-            torch.ops.load_library(str(lib))
-        except OSError:  # a damaged file (a build cut short by hand): built again, once
-            lib.unlink(missing_ok=True)
-            _compile(lib, compiler)
-            torch.ops.load_library(str(lib))
+        for attempt in range(2):
+            if (refused := _tried(lib, compiler)) is not None:
+                return refused
+            try:
+                torch.ops.load_library(str(lib))
+                break
+            except OSError:  # damaged since its trial (a copy cut short): built and tried again, once
+                if attempt:
+                    raise
+                lib.unlink(missing_ok=True)
+                lib.with_suffix(".verdict").unlink(missing_ok=True)
     except (OSError, RuntimeError, subprocess.SubprocessError) as e:
         return f"the row-invariant kernels did not build: {' '.join(str(e).split())[:240]}"
-    if (bad := _not_row_invariant()) is not None:  # a compiler that contracts or vectorizes otherwise
+    if (bad := _not_row_invariant()) is not None:  # a verdict file from another build, say
         return f"the kernels built here round {bad} differently by row count: torch's kernels instead"
     return None
 
@@ -180,13 +233,16 @@ class RowLinear(torch.nn.Module):
     HF's peers run as shipped (verify_kernels.stock_kernels) through torch's own matmul on the
     float weight (int8/int4: its dequantization, made once)."""
 
-    def __init__(self, linear: torch.nn.Linear, fmt: str) -> None:
+    def __init__(self, linear: torch.nn.Linear, fmt: str, tensors: tuple[torch.Tensor, ...] | None = None) -> None:
+        """tensors: the format's own, where the weight is stored so already (a draft's int8 rows)."""
         super().__init__()
         assert fmt in FORMATS, fmt
         self.fmt, self.in_features, self.out_features = fmt, linear.in_features, linear.out_features
         self.bias = linear.bias
         w = linear.weight.detach()
-        if fmt in ("fp32", "bf16"):
+        if tensors is not None:
+            self.tensors = tuple(t.contiguous() for t in tensors)
+        elif fmt in ("fp32", "bf16"):
             dtype = torch.float32 if fmt == "fp32" else torch.bfloat16
             if w.dtype != dtype or not w.is_contiguous():
                 w = w.to(dtype).contiguous()
@@ -268,6 +324,33 @@ def convert(model: torch.nn.Module, fmt: str) -> int:
 
         gc.collect()
     return count
+
+
+def convert_draft(model: torch.nn.Module) -> bool:
+    """Puts a CPU draft that is a plain Llama (a SpecLab draft) on the kernels, as `convert` does a
+    target, and returns whether it did: its body's linears read their int8 rows as stored (the
+    scales at fp32; no second quantization) or their float weights, its modules the kernels'
+    steps, and its reads the fused body (row_llama.DraftBody), row-invariant by construction. The
+    LM head (the target's embedding, read only by a full-vocabulary draft read) stays as it is."""
+    from engine.runtime import row_llama
+
+    head = model.get_output_embeddings()
+    body = [m for m in model.get_decoder().modules() if type(m) is torch.nn.Linear]
+    if (_load() is not None or not body or any(not serves(m) or m.bias is not None for m in body)
+            or model.dtype not in (torch.float32, torch.bfloat16) or refuses(model) is not None
+            or row_llama.refuses(model) is not None):
+        return False
+    float_fmt = "fp32" if model.dtype == torch.float32 else "bf16"
+    for parent in list(model.get_decoder().modules()):
+        for name, child in list(parent.named_children()):
+            if type(child) is torch.nn.Linear and child is not head:
+                packed = getattr(child, "speclab_int8", None)
+                row = (RowLinear(child, "int8", (packed[0], packed[1].float())) if packed is not None
+                       else RowLinear(child, float_fmt))
+                setattr(parent, name, row)
+        if hasattr(parent, "q_proj") and hasattr(parent, "o_proj"):
+            setattr(parent, ATTENTION, True)
+    return row_llama.install(model, draft=True)
 
 
 def converted(model: torch.nn.Module) -> tuple[int, str | None]:

@@ -17,6 +17,9 @@
 #include <cmath>
 #include <cstring>
 #include <vector>
+#if defined(__AVX2__) || defined(__AVX512F__)
+#include <immintrin.h>
+#endif
 
 typedef float v16 __attribute__((vector_size(64)));
 typedef int32_t v16i __attribute__((vector_size(64)));
@@ -30,9 +33,17 @@ static inline v16 load_bf16(const uint16_t* p) {
   v16i i = __builtin_convertvector(u, v16i) << 16;  // bf16 bits are fp32's top half
   v16 f; std::memcpy(&f, &i, 64); return f;
 }
-static inline v16 load_i8(const int8_t* p) {  // widened to int32 first: a direct conversion is scalarized
-  // (gcc scalarizes a signed widening here; an unsigned one with the sign bit flipped is exact)
+static inline v16 load_i8(const int8_t* p) {  // exact: every int8 is an fp32
+#if defined(__AVX512F__)
+  const __m512 f = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)p)));
+  v16 v; std::memcpy(&v, &f, 64); return v;
+#elif defined(__AVX2__)
+  const __m256 lo = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)p)));
+  const __m256 hi = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)(p + 8))));
+  v16 v; std::memcpy(&v, &lo, 32); std::memcpy((char*)&v + 32, &hi, 32); return v;
+#else  // gcc scalarizes a signed widening of generic vectors; an unsigned one with the sign bit flipped is exact
   v16u8 u; std::memcpy(&u, p, 16); return __builtin_convertvector(__builtin_convertvector(u ^ (uint8_t)0x80, v16i), v16) - 128.0f;
+#endif
 }
 static inline v16 from_u8(v16u8 u) { return __builtin_convertvector(__builtin_convertvector(u, v16i), v16); }
 
@@ -53,6 +64,7 @@ static inline float reduce(v16 a0, v16 a1, v16 a2, v16 a3) {
 // in registers (exact: bf16 is fp32's top half).
 static inline v16 load_w(const float* p) { return load_f32(p); }
 static inline v16 load_w(const uint16_t* p) { return load_bf16(p); }
+static inline v16 load_w(const int8_t* p) { return load_i8(p); }
 
 template <int R, typename W>
 static void tile(const W* w, const float* x, int64_t k, float* y, int64_t ys) {
@@ -70,19 +82,29 @@ static void tile(const W* w, const float* x, int64_t k, float* y, int64_t ys) {
   for (int r = 0; r < R; ++r) y[r * ys] = reduce(acc[r][0], acc[r][1], acc[r][2], acc[r][3]);
 }
 
+// Input rows per tile: with AVX-512's 32 registers six rows' 24 accumulators and the four weight
+// vectors fit, so a verify of up to six rows (γ ≤ 5) reads each weight row once; AVX2's 16 hold
+// far fewer (a 16-lane vector takes two). Which rows share a tile never changes a row's bits.
+#if defined(__AVX512F__)
+constexpr int TILE = 6;
+#else
+constexpr int TILE = 2;
+#endif
+
 template <typename W>
 static void rows_against(const W* w, const float* x, int64_t k, int64_t m, float* y, int64_t ys) {
   int64_t r = 0;
-  for (; r + 4 <= m; r += 4) tile<4>(w, x + r * k, k, y + r * ys, ys);
+  for (; r + TILE <= m; r += TILE) tile<TILE>(w, x + r * k, k, y + r * ys, ys);
   switch (m - r) {
-    case 3: tile<3>(w, x + r * k, k, y + r * ys, ys); break;
-    case 2: tile<2>(w, x + r * k, k, y + r * ys, ys); break;
+    case 5: if constexpr (TILE > 5) tile<5>(w, x + r * k, k, y + r * ys, ys); break;
+    case 4: if constexpr (TILE > 4) tile<4>(w, x + r * k, k, y + r * ys, ys); break;
+    case 3: if constexpr (TILE > 3) tile<3>(w, x + r * k, k, y + r * ys, ys); break;
+    case 2: if constexpr (TILE > 2) tile<2>(w, x + r * k, k, y + r * ys, ys); break;
     case 1: tile<1>(w, x + r * k, k, y + r * ys, ys); break;
   }
 }
 
 #ifdef __AVX512BF16__
-#include <immintrin.h>
 // Where the CPU has AVX512-BF16 (Intel since Cooper Lake, AMD since Zen 4), a bf16 weight meets
 // its input rounded to bf16 in `vdpbf16ps`: 32 products a step, each exact in fp32, summed into
 // two 16-lane chains over k in order (the instruction's own fixed pairing), then `reduce`. A bf16
@@ -142,7 +164,7 @@ static Weight weight_of(at::TensorList t) {
   }
 }
 
-// Weight row o as the tile reads it: fp32 and bf16 in place, int8 and 4 bits dequantized to fp32
+// Weight row o as the tile reads it: fp32, bf16 and int8 in place (int8 scaled after the sum), 4 bits
 // into buf (once per row, read by every input row).
 template <Format F>
 static inline auto row_of(const Weight& w, int64_t o, float* buf) {
@@ -151,11 +173,8 @@ static inline auto row_of(const Weight& w, int64_t o, float* buf) {
     return reinterpret_cast<const float*>(w.base) + o * k;
   } else if constexpr (F == BF16) {
     return reinterpret_cast<const uint16_t*>(w.base) + o * k;
-  } else if constexpr (F == I8) {  // w[o, k] = q[o, k] · scale[o]
-    const int8_t* q = reinterpret_cast<const int8_t*>(w.base) + o * k;
-    const v16 s = v16{} + w.aux[o];
-    for (int64_t i = 0; i < k; i += 16) { v16 v = load_i8(q + i) * s; std::memcpy(buf + i, &v, 64); }
-    return (const float*)buf;
+  } else if constexpr (F == I8) {  // the codes, widened in registers; the row's scale multiplies the sum
+    return reinterpret_cast<const int8_t*>(w.base) + o * k;
   } else {  // per group of 32 inputs, byte j holds input j (low nibble) and j + 16 (high); w = q · scale + min
     const uint8_t* pp = reinterpret_cast<const uint8_t*>(w.base) + o * (k / 2);
     for (int64_t g = 0; g < k / 32; ++g) {
@@ -182,6 +201,8 @@ static void matmul_as(const Weight& w, const float* x, int64_t m, float* y) {
       if (o + AHEAD < end)  // the row after next, line by line: one stream per thread is not enough here
         for (int64_t b = 0; b < w.row_bytes; b += 64) __builtin_prefetch(w.base + (o + AHEAD) * w.row_bytes + b);
       rows_against(row_of<F>(w, o, buf), x, w.k, m, y + o, w.out);
+      if constexpr (F == I8)  // y[r, o] = scale[o] · Σ_i q[o, i] · x[r, i]
+        for (int64_t r = 0; r < m; ++r) y[r * w.out + o] *= w.aux[o];
     }
   });
 }
