@@ -1,21 +1,22 @@
 // Row-invariant linears for CPUs: y[m, o] = Σ_k x[m, k] · w[o, k], the weight stored at fp32,
-// bf16, int8 (one scale per output row) or 4 bits (a scale and a minimum per 32 inputs), and the
-// causal attention of a decoder read.
+// bf16, int8 (one scale per output row) or 4 bits (a scale and a minimum per 32 inputs), the
+// causal attention of a decoder read, the decoder's norm, rotary and SwiGLU steps, and a Llama
+// decoder layer composed of them in two calls (engine/runtime/row_llama.py).
 //
 // Why: a verify reads 2–9 rows where plain decoding reads one. Speculative output equals plain
 // decoding only if every row rounds exactly as it would alone, which BLAS kernels do not promise
 // (they block, split and reorder the reduction by row count). Here every output element gets the
 // same operations in the same order whatever the row count or the thread count: its weight row at
 // fp32 (the format's dequantization), four 16-lane FMA chains over k in order, a fixed tree over
-// chains and lanes (`tile`). A weight row is read once for every input row, so a 2–5 row read
-// costs little more than a 1-row one. Compiled per machine (-march=native) by
-// engine/runtime/rowdot.py.
+// chains and lanes (`tile`; bf16 with AVX512-BF16: `tile_dp`). A weight row is read once for up
+// to `TILE` input rows. Compiled per machine (-march=native) by engine/runtime/rowdot.py.
 #include <torch/library.h>
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <cstdint>
 #include <cmath>
 #include <cstring>
+#include <algorithm>
 #include <vector>
 #if defined(__AVX2__) || defined(__AVX512F__)
 #include <immintrin.h>
@@ -59,9 +60,8 @@ static inline float reduce(v16 a0, v16 a1, v16 a2, v16 a3) {
 
 // R input rows against one weight row w [k]: y[r · ys] = Σ_i w[i] · x[r · k + i]. Every row gets
 // the same operations in the same order whatever R (four 16-lane FMA chains over i, then
-// `reduce`): R only decides how many rows share each load of w. Rows are taken four at a time
-// (16 accumulators and the four weight vectors fit AVX-512's 32 registers). A bf16 row widens
-// in registers (exact: bf16 is fp32's top half).
+// `reduce`): R only decides how many rows share each load of w (`TILE`). A bf16 or int8 row
+// widens in registers (exact: bf16 is fp32's top half, every int8 an fp32).
 static inline v16 load_w(const float* p) { return load_f32(p); }
 static inline v16 load_w(const uint16_t* p) { return load_bf16(p); }
 static inline v16 load_w(const int8_t* p) { return load_i8(p); }
@@ -192,19 +192,49 @@ static inline auto row_of(const Weight& w, int64_t o, float* buf) {
 constexpr int64_t AHEAD = 4;
 constexpr int64_t MAX_K = 8192;
 
+constexpr int64_t WBLOCK = 32;  // weight rows a long read keeps in cache while blocks of input rows pass
+
+// Runs `dot(o, row, r0, r1)` — input rows [r0, r1) against weight row o, as `row(o, buf)` gives
+// it — for every output o and every input row, over the output rows split between threads. A
+// plain step or verify (m ≤ TILE) streams the weight rows once, prefetching ahead; a longer read
+// (a prefill) goes a block of WBLOCK weight rows at a time, each met by every block of input rows
+// while it stays in cache, instead of streaming all m input rows past each weight row. Which rows
+// share a pass never changes an element's arithmetic.
+template <typename Row, typename Dot>
+static void each_row(const Weight& w, int64_t m, Row row, Dot dot) {
+  if (m <= TILE) {
+    at::parallel_for(0, w.out, 64, [&](int64_t begin, int64_t end) {
+      alignas(64) float buf[MAX_K];
+      for (int64_t o = begin; o < end; ++o) {
+        if (o + AHEAD < end)  // the row after next, line by line: one stream per thread is not enough here
+          for (int64_t b = 0; b < w.row_bytes; b += 64) __builtin_prefetch(w.base + (o + AHEAD) * w.row_bytes + b);
+        dot(o, row(o, buf), 0, m);
+      }
+    });
+    return;
+  }
+  const int64_t rb = std::max<int64_t>(TILE, (8192 / w.k) / TILE * TILE);  // input rows per block: ~32 KB at fp32
+  at::parallel_for(0, w.out, WBLOCK, [&](int64_t begin, int64_t end) {
+    std::vector<float> buf(WBLOCK * w.k);
+    for (int64_t o0 = begin; o0 < end; o0 += WBLOCK) {
+      const int64_t o1 = std::min(end, o0 + WBLOCK);
+      decltype(row(o0, buf.data())) rows[WBLOCK];
+      for (int64_t o = o0; o < o1; ++o) rows[o - o0] = row(o, buf.data() + (o - o0) * w.k);
+      for (int64_t r0 = 0; r0 < m; r0 += rb)
+        for (int64_t o = o0; o < o1; ++o) dot(o, rows[o - o0], r0, std::min(m, r0 + rb));
+    }
+  });
+}
+
 // y [M, O] = x [M, K] · wᵀ, every element by `rows_against` (fp32 in and out).
 template <Format F>
 static void matmul_as(const Weight& w, const float* x, int64_t m, float* y) {
-  at::parallel_for(0, w.out, 64, [&](int64_t begin, int64_t end) {
-    alignas(64) float buf[MAX_K];
-    for (int64_t o = begin; o < end; ++o) {
-      if (o + AHEAD < end)  // the row after next, line by line: one stream per thread is not enough here
-        for (int64_t b = 0; b < w.row_bytes; b += 64) __builtin_prefetch(w.base + (o + AHEAD) * w.row_bytes + b);
-      rows_against(row_of<F>(w, o, buf), x, w.k, m, y + o, w.out);
-      if constexpr (F == I8)  // y[r, o] = scale[o] · Σ_i q[o, i] · x[r, i]
-        for (int64_t r = 0; r < m; ++r) y[r * w.out + o] *= w.aux[o];
-    }
-  });
+  each_row(w, m, [&](int64_t o, float* buf) { return row_of<F>(w, o, buf); },
+           [&](int64_t o, auto wr, int64_t r0, int64_t r1) {
+             rows_against(wr, x + r0 * w.k, w.k, r1 - r0, y + r0 * w.out + o, w.out);
+             if constexpr (F == I8)  // y[r, o] = scale[o] · Σ_i q[o, i] · x[r, i]
+               for (int64_t r = r0; r < r1; ++r) y[r * w.out + o] *= w.aux[o];
+           });
 }
 
 static void matmul(const Weight& w, const float* x, int64_t m, float* y) {
@@ -216,14 +246,10 @@ static void matmul(const Weight& w, const float* x, int64_t m, float* y) {
     {
       std::vector<uint16_t> xb(m * w.k);  // the input at bf16 (round to nearest even)
       for (int64_t i = 0; i < m * w.k; ++i) xb[i] = c10::BFloat16(x[i]).x;
-      const uint16_t* wb = reinterpret_cast<const uint16_t*>(w.base);
-      at::parallel_for(0, w.out, 64, [&](int64_t begin, int64_t end) {
-        for (int64_t o = begin; o < end; ++o) {
-          if (o + AHEAD < end)
-            for (int64_t b = 0; b < w.row_bytes; b += 64) __builtin_prefetch(w.base + (o + AHEAD) * w.row_bytes + b);
-          rows_against_dp(wb + o * w.k, xb.data(), w.k, m, y + o, w.out);
-        }
-      });
+      each_row(w, m, [&](int64_t o, float*) { return reinterpret_cast<const uint16_t*>(w.base) + o * w.k; },
+               [&](int64_t o, const uint16_t* wr, int64_t r0, int64_t r1) {
+                 rows_against_dp(wr, xb.data() + r0 * w.k, w.k, r1 - r0, y + r0 * w.out + o, w.out);
+               });
       return;
     }
 #else
@@ -291,7 +317,8 @@ __attribute__((noinline)) static void add_row(float* x, const float* y, int64_t 
 // keys 0 … N − S + i. Every (head, row) gets the same arithmetic whatever S: its scores by
 // `tile<1>`, their maximum, exp and sum in key order, then Σ p_j · v_j in key order over the sum;
 // a one-row plain step and a verify row at the same position compute the same bits.
-static void attend_row(const float* q, const float* k, const float* v, int64_t n, int64_t d, float scale,
+template <typename KV>
+static void attend_row(const float* q, const KV* k, const KV* v, int64_t n, int64_t d, float scale,
                        float* scores, float* out) {
   for (int64_t j = 0; j < n; ++j) tile<1>(k + j * d, q, d, scores + j, 1);
   float mx = -INFINITY;
@@ -300,15 +327,17 @@ static void attend_row(const float* q, const float* k, const float* v, int64_t n
   for (int64_t j = 0; j < n; ++j) { scores[j] = std::exp(scores[j] - mx); sum += scores[j]; }
   for (int64_t c = 0; c < d; c += 16) {
     v16 acc = {};
-    for (int64_t j = 0; j < n; ++j) acc += (v16{} + scores[j]) * load_f32(v + j * d + c);
+    for (int64_t j = 0; j < n; ++j) acc += (v16{} + scores[j]) * load_w(v + j * d + c);
     acc /= (v16{} + sum);
     std::memcpy(out + c, &acc, 64);
   }
 }
 
-// q [H, S, D] (fp32, contiguous), k/v [Hkv, N, D] with rows of D contiguous and heads `kv_stride`
-// apart (a cache's view) → out [S, H, D]; head h reads kv head h / (H / Hkv).
-static void attend_into(const float* q, const float* k, const float* v, int64_t kv_stride, int64_t h, int64_t hkv,
+// q [H, S, D] (fp32, contiguous), k/v [Hkv, N, D] (fp32 or bf16: a bf16 cache is read in place,
+// widened in registers, the same values a copy at fp32 would hold) with rows of D contiguous and
+// heads `kv_stride` apart (a cache's view) → out [S, H, D]; head h reads kv head h / (H / Hkv).
+template <typename KV>
+static void attend_into(const float* q, const KV* k, const KV* v, int64_t kv_stride, int64_t h, int64_t hkv,
                         int64_t s, int64_t n, int64_t d, float scale, at::ScalarType t, float* out) {
   const int64_t group = h / hkv;
   at::parallel_for(0, h * s, 4, [&](int64_t begin, int64_t end) {
@@ -326,11 +355,23 @@ static void attend_into(const float* q, const float* k, const float* v, int64_t 
 // -- torch-facing ops --------------------------------------------------------------------------------
 static at::Tensor floats(const at::Tensor& x) { return x.to(at::kFloat).contiguous(); }
 
-// Keys or values [Hkv, N, D] as attend_into reads them: a float cache's view in place, else a copy.
-static std::pair<at::Tensor, int64_t> kv_floats(const at::Tensor& t) {
-  if (t.scalar_type() == at::kFloat && t.stride(2) == 1 && t.stride(1) == t.size(2)) return {t, t.stride(0)};
-  at::Tensor c = floats(t);
-  return {c, c.stride(0)};
+// Keys and values [Hkv, N, D] as attend_into reads them: a cache's fp32 or bf16 view in place
+// (rows of D contiguous, both with one head stride), else copies at fp32.
+static void attend_kv(const float* q, const at::Tensor& keys, const at::Tensor& values, int64_t h, int64_t s,
+                      float scale, at::ScalarType t, float* out) {
+  const int64_t d = keys.size(2), n = keys.size(1), hkv = keys.size(0);
+  auto in_place = [&](const at::Tensor& x) { return x.stride(2) == 1 && x.stride(1) == d; };
+  const auto kt = keys.scalar_type();
+  if (kt == values.scalar_type() && (kt == at::kFloat || kt == at::kBFloat16) && in_place(keys) && in_place(values)
+      && keys.stride(0) == values.stride(0)) {
+    if (kt == at::kFloat)
+      return attend_into(q, keys.data_ptr<float>(), values.data_ptr<float>(), keys.stride(0), h, hkv, s, n, d, scale, t, out);
+    return attend_into(q, reinterpret_cast<const uint16_t*>(keys.data_ptr<at::BFloat16>()),
+                       reinterpret_cast<const uint16_t*>(values.data_ptr<at::BFloat16>()), keys.stride(0), h, hkv, s, n,
+                       d, scale, t, out);
+  }
+  at::Tensor kf = floats(keys), vf = floats(values);
+  attend_into(q, kf.data_ptr<float>(), vf.data_ptr<float>(), n * d, h, hkv, s, n, d, scale, t, out);
 }
 
 // The bf16 or fp32 tensor a module hands on, from the fp32 buffer it was computed in.
@@ -367,13 +408,9 @@ at::Tensor attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
   TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && v.sizes() == k.sizes() && q.size(2) == k.size(2) && q.size(2) % 64 == 0
               && q.size(0) % k.size(0) == 0 && q.size(1) <= k.size(1), "rowdot: attend shapes");
   at::Tensor qf = floats(q);
-  auto [kf, ks] = kv_floats(k);
-  auto [vf, vs] = kv_floats(v);
-  if (ks != vs) vf = floats(vf), vs = vf.stride(0), kf = floats(kf), ks = kf.stride(0);
   const int64_t h = q.size(0), s = q.size(1), d = q.size(2);
   at::Tensor out = at::empty({s, h, d}, qf.options());
-  attend_into(qf.data_ptr<float>(), kf.data_ptr<float>(), vf.data_ptr<float>(), ks, h, k.size(0), s, k.size(1), d,
-              (float)scale, q.scalar_type(), out.data_ptr<float>());
+  attend_kv(qf.data_ptr<float>(), k, v, h, s, (float)scale, q.scalar_type(), out.data_ptr<float>());
   return as(out, q.scalar_type());
 }
 
@@ -451,12 +488,8 @@ at::Tensor layer_post(const at::Tensor& x, const at::Tensor& q, const at::Tensor
   TORCH_CHECK(x.dim() == 2 && q.dim() == 3 && q.size(1) == s && o.k == h * d && o.out == n && g.k == n && u.out == g.out
               && dn.k == g.out && dn.out == n && keys.sizes() == values.sizes() && h % keys.size(0) == 0, "rowdot: layer_post shapes");
   at::Tensor xf = x.to(at::kFloat, false, /*copy=*/true).contiguous(), qf = floats(q);  // xf: the residual stream, updated
-  auto [kf, ks] = kv_floats(keys);
-  auto [vf, vs] = kv_floats(values);
-  if (ks != vs) vf = floats(vf), vs = vf.stride(0), kf = floats(kf), ks = kf.stride(0);
   at::Tensor a = at::empty({s, h * d}, xf.options());  // [S, H · D]
-  attend_into(qf.data_ptr<float>(), kf.data_ptr<float>(), vf.data_ptr<float>(), ks, h, keys.size(0), s, keys.size(1), d,
-              (float)scale, t, a.data_ptr<float>());
+  attend_kv(qf.data_ptr<float>(), keys, values, h, s, (float)scale, t, a.data_ptr<float>());
   at::Tensor y = at::empty({s, n}, xf.options());
   matmul(o, a.data_ptr<float>(), s, y.data_ptr<float>());
   round_to(t, y.data_ptr<float>(), y.numel());
