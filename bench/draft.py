@@ -391,14 +391,16 @@ def measure(load: Callable[[str, bool | None], ModelPair], settings: list[tuple[
             entries += [Entry(p, where, speclab_runner(pair, p, ctx)) for p in policies[where]]
             if warm is not None and f"fixed:{GAMMA}@suffix" in policies[where]:
                 entries.append(Entry(SUFFIX_WARM, where, speclab_runner(pair, f"fixed:{GAMMA}@suffix", ctx, warm)))
-        # HF generate, the exactness reference, on the exact setting's pair (the tier's kernels);
-        # the stock peers on the pair whose target runs HF's own forward (the fast or default mode's)
+        # HF generate, the exactness reference, and the @kernels peers on the exact setting's pair
+        # (the tier's kernels); the stock peers on the pair whose target runs HF's own forward (the
+        # fast or default mode's)
         hf_where = next((w for w, m in zip(labels, modes) if m != "exact"), labels[0])
         ref_where = next((w for w, m in zip(labels, modes) if m == "exact"), hf_where)
-        hf_pair = pairs[hf_where]
-        assistant = hf_assistant(hf_pair) if opts.hf_assisted and tier not in opts.ar_tiers else None
-        entries += [Entry(s, tier, hf_runner(pairs[ref_where] if s == "hf_generate" else hf_pair, s, assistant))
-                    for s in hf_settings(opts, tier)]
+        assisted = opts.hf_assisted and tier not in opts.ar_tiers
+        assistants = {w: hf_assistant(pairs[w]) for w in {hf_where, ref_where}} if assisted else {}
+        for s in hf_settings(opts, tier):
+            w = ref_where if s == "hf_generate" or s.endswith(KERNELS) else hf_where
+            entries.append(Entry(s, tier, hf_runner(pairs[w], s, assistants.get(w))))
         say(f"{tier}: timing {len(entries)} policies and peers on {len(timed)} prompts × {opts.repeats}…")
         results = time_tier(entries, timed, opts, say)
         hf = {s: results[(tier, s)] for s in hf_settings(opts, tier)}
@@ -418,7 +420,7 @@ def measure(load: Callable[[str, bool | None], ModelPair], settings: list[tuple[
         if first:
             res.update(_draft_figures(pairs[labels[0]], prompts, timed_prompts, results, labels[0], opts))
             first = False
-        del pairs, entries, assistant, hf_pair
+        del pairs, entries, assistants
     res.update(headline(res))
     res["elapsed_s"] = time.perf_counter() - t_start
     return res
