@@ -27,7 +27,8 @@ is what the modes differ in), calibrated against the live steps of short runs of
 fixed policy on a held-out prompt that is not timed. HF assisted gets the draft with HF's own
 forward (the row-invariant reads a live SpecLab run needs are SpecLab's cost, not HF's).
 
-Per tier, `ar` tok/s, and plain decoding by tier against fp32's (`ar_vs_fp32`); int8 and int4
+Per tier, `ar` tok/s, and plain decoding by tier against fp32's (`ar_vs_fp32`, timed at the end
+with every tier in one rotation, `ar_tok_s_one_rotation`); int8 and int4
 (`Options.ar_tiers`) are timed for that, their exactness and one speculative setting (ar,
 fixed:4@draft, rakv; HF generate). Exact settings are also run with prefix reuse on (untimed,
 `with_prefix_reuse`); the exit code is 1 when any exact setting's output differs from HF
@@ -51,7 +52,7 @@ from typing import Callable
 
 import torch
 
-from bench.draft_tables import GAMMA, format_report, headline, proposer_stats, setting_table, tier_table
+from bench.draft_tables import GAMMA, format_report, headline, proposer_stats, setting_table, tier_table, tok_s_of
 from engine.base.helpers import median_ms
 from engine.datasets.prompts import first_per_task, heldout
 from engine.decode.policies import PolicyContext
@@ -422,8 +423,23 @@ def measure(load: Callable[[str, bool | None], ModelPair], settings: list[tuple[
             first = False
         del pairs, entries, assistants
     res.update(headline(res))
+    if "fp32" in tiers and len(tiers) > 1:
+        res["ar_tok_s_one_rotation"] = ar_rotation(load, list(tiers), timed, opts)
+        res["ar_vs_fp32"] = {t: v / res["ar_tok_s_one_rotation"]["fp32"] for t, v in res["ar_tok_s_one_rotation"].items()}
     res["elapsed_s"] = time.perf_counter() - t_start
     return res
+
+
+def ar_rotation(load: Callable[[str, bool | None], ModelPair], tiers: list[str], timed: list[list[int]],
+                opts: Options) -> dict[str, float]:
+    """Plain decoding (`ar`) at every tier, {tier: tok/s}, the tiers interleaved prompt by prompt
+    in one rotation (time_tier): a machine whose speed drifts slows every tier alike, which tiers
+    timed minutes apart in their own rotations do not promise (`ar_vs_fp32` is read from here)."""
+    opts.say(f"plain decoding of {', '.join(tiers)} in one rotation…")
+    pairs = {t: load(t, None) for t in tiers}  # each tier's default verify mode: exact on a CPU
+    entries = [Entry("ar", t, speclab_runner(p, "ar", None)) for t, p in pairs.items()]
+    runs = time_tier(entries, timed, opts, opts.say)
+    return {t: tok_s_of(runs[(t, "ar")], list(range(len(timed)))) for t in tiers}
 
 
 def reuse_check(pair: ModelPair, ctx: PolicyContext, policies: list[str], timed: list[list[int]],

@@ -14,7 +14,7 @@ GAMMA = 4  # τ is reported at this γ: fixed:4@<proposer> always runs
 
 
 # -- tables -------------------------------------------------------------------------------------------
-def _tok_s(runs: list[dict], idx: list[int]) -> float:
+def tok_s_of(runs: list[dict], idx: list[int]) -> float:
     tokens = sum(runs[i]["tokens"] for i in idx)
     seconds = sum(statistics.median(runs[i]["seconds"]) for i in idx)
     return tokens / seconds if seconds > 0 else 0.0
@@ -51,8 +51,8 @@ def setting_table(where: str, tier: str, mode: str, pair: ModelPair, policies: l
     every = list(range(n))
     by_task_idx = {t: [i for i in every if tasks[i] == t] for t in dict.fromkeys(tasks)}
     runs = {p: results[(where, p)] for p in policies}
-    tok_s = {p: _tok_s(r, every) for p, r in runs.items()}
-    by_task = {t: {p: _tok_s(r, ix) for p, r in runs.items()} for t, ix in by_task_idx.items()}
+    tok_s = {p: tok_s_of(r, every) for p, r in runs.items()}
+    by_task = {t: {p: tok_s_of(r, ix) for p, r in runs.items()} for t, ix in by_task_idx.items()}
     ar = tok_s["ar"]
     firsts = {p: [first_difference(hf_ref[i]["output"], runs[p][i]["output"]) for i in every] for p in policies}
     identical = {p: sum(f is None for f in fs) / n for p, fs in firsts.items()}
@@ -110,7 +110,7 @@ def tier_table(tier: str, settings: dict[str, dict], hf: dict[str, list[dict]], 
     ratios against ar (the faster of the tier's ar runs), HF generate, HF assisted and HF prompt
     lookup at their best setting; per task against ar."""
     every = list(range(len(tasks)))
-    hf_tok = {s: _tok_s(r, every) for s, r in hf.items()}
+    hf_tok = {s: tok_s_of(r, every) for s, r in hf.items()}
     hf_ref = hf["hf_generate"]
     hf_identical = {s: sum(first_difference(hf_ref[i]["output"], r[i]["output"]) is None for i in every) / len(every)
                     for s, r in hf.items()}
@@ -128,7 +128,7 @@ def tier_table(tier: str, settings: dict[str, dict], hf: dict[str, list[dict]], 
         best_vs_hf_generate=best_tok / hf_tok["hf_generate"], ar_vs_hf_generate=ar / hf_tok["hf_generate"],
         by_task_vs_ar=by_task_vs_ar, worst_task=worst, worst_task_vs_ar=by_task_vs_ar[worst],
         hf_tok_s=hf_tok, hf_identical_to_hf_generate=hf_identical,
-        hf_by_task={task: {s: _tok_s(r, [i for i in every if tasks[i] == task]) for s, r in hf.items()}
+        hf_by_task={task: {s: tok_s_of(r, [i for i in every if tasks[i] == task]) for s, r in hf.items()}
                     for task in dict.fromkeys(tasks)},
     )
     best_runs = settings[where]["per_prompt"][best]
@@ -286,6 +286,9 @@ def format_report(res: dict) -> str:
                      f"{_fmt(t.get('best_vs_hf_lookup'))}× HF lookup {_ci(t.get('best_vs_hf_lookup_ci95'))}, "
                      f"{t['best_vs_hf_generate']:.3f}× HF generate; per task vs ar: "
                      + ", ".join(f"{k} {v:.3f}" for k, v in t["by_task_vs_ar"].items()))
+    if rot := res.get("ar_tok_s_one_rotation"):
+        lines.append("plain decoding by tier, one rotation: " + ", ".join(
+            f"{t} {v:.2f} tok/s ({res['ar_vs_fp32'][t]:.3f}× fp32)" for t, v in rot.items()))
     for w, d in res["fast_verify_divergence"].items():
         firsts = sorted({f for fs in d["first_divergence"].values() for f in fs if f is not None})
         lines.append(f"{w}: outputs identical to HF generate in {d['identical_fraction']:.0%} of {d['runs']} runs"

@@ -94,7 +94,9 @@ def test_draft_bench_reports_what_the_issue_asks(tiny_dirs, eagle_tiny, monkeypa
     t = res["tiers"]["fp32"]
     # HF assisted both as shipped and through SpecLab's kernels (like for like)
     assert set(t["hf_tok_s"]) == {"hf_generate", "hf_generate:stock", "hf_lookup:2"} | assisted
-    assert set(res["ar_vs_fp32"]) == {"fp32", "bf16"} and res["ar_vs_fp32"]["fp32"] == 1.0
+    # plain decoding by tier, every tier in one rotation at the end (drift hits them alike)
+    assert set(res["ar_vs_fp32"]) == set(res["ar_tok_s_one_rotation"]) == {"fp32", "bf16"}
+    assert res["ar_vs_fp32"]["fp32"] == 1.0 and all(v > 0 for v in res["ar_tok_s_one_rotation"].values())
     assert t["best_vs_hf_assisted"] == pytest.approx(t["best_tok_s"] / t["hf_assisted_best_tok_s"])
     # Exact where it must be: fp32 and the exact verify at bf16 give HF generate's tokens.
     for w in ("fp32", "bf16/exact"):
