@@ -119,7 +119,6 @@ def agreement(pair: ModelPair, prompt_ids: list[int], response: list[int]) -> tu
 
 
 @torch.inference_mode()
-@torch.inference_mode()
 def per_token_ms(model, ids: list[int], device: torch.device, n: int = 24) -> float:
     """Median ms of a one-token forward after `ids` as a plain step reads it (forward_logits: the
     fused read where the target has one), cache rolled back each time."""
@@ -422,10 +421,9 @@ def measure(load: Callable[[str, bool | None], ModelPair], settings: list[tuple[
             res.update(_draft_figures(pairs[labels[0]], prompts, timed_prompts, results, labels[0], opts))
             first = False
         del pairs, entries, assistants
-    res.update(headline(res))
     if "fp32" in tiers and len(tiers) > 1:
         res["ar_tok_s_one_rotation"] = ar_rotation(load, list(tiers), timed, opts)
-        res["ar_vs_fp32"] = {t: v / res["ar_tok_s_one_rotation"]["fp32"] for t, v in res["ar_tok_s_one_rotation"].items()}
+    res.update(headline(res))
     res["elapsed_s"] = time.perf_counter() - t_start
     return res
 

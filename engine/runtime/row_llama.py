@@ -10,9 +10,12 @@ chooses, which a native loop cannot promise to match. So the converted modules c
 and `silu_mul`), and HF's forward over the model — HF `generate`, the exactness reference — runs
 the very functions the fused `layer_pre`/`layer_post` run, in the same order, rounding where each
 module hands on its dtype. The lean read's logits and cache are then HF's bit for bit (tested at
-every tier). A draft on the kernels (rowdot.convert_draft) reads the same way (`DraftBody`). Under torch's own kernels (verify_kernels.stock_kernels: the HF peers as shipped) or
-with gradients on, each module runs HF's forward unchanged."""
+every tier). A draft on the kernels (rowdot.convert_draft) reads the same way (`DraftBody`).
+Under torch's own kernels (verify_kernels.stock_kernels: the HF peers as shipped) or with
+gradients on, each module runs HF's forward unchanged."""
 from __future__ import annotations
+
+from functools import lru_cache
 
 import torch
 
@@ -80,14 +83,9 @@ def _make_classes():
     return RowNorm, RowMLP, RowAttention
 
 
-_CLASSES: tuple | None = None
-
-
+@lru_cache(maxsize=1)
 def _classes() -> tuple:
-    global _CLASSES
-    if _CLASSES is None:
-        _CLASSES = _make_classes()
-    return _CLASSES
+    return _make_classes()
 
 
 def refuses(model: torch.nn.Module) -> str | None:

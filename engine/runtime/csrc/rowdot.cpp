@@ -377,7 +377,7 @@ static void attend_kv(const float* q, const at::Tensor& keys, const at::Tensor& 
 // The bf16 or fp32 tensor a module hands on, from the fp32 buffer it was computed in.
 static at::Tensor as(const at::Tensor& y, at::ScalarType t) { return t == at::kFloat ? y : y.to(t); }
 
-at::Tensor linear_any(const at::Tensor& x, at::TensorList w) {
+static at::Tensor linear_any(const at::Tensor& x, at::TensorList w) {
   const Weight wt = weight_of(w);
   TORCH_CHECK(x.dim() == 2 && x.size(1) == wt.k, "rowdot: x must be [M, ", wt.k, "]");
   at::Tensor xf = floats(x);  // [M, K]
@@ -517,7 +517,6 @@ TORCH_LIBRARY(speclab_rowdot, m) {
   m.def("linear_int8(Tensor x, Tensor q, Tensor scale) -> Tensor", linear_int8);
   m.def("linear_int4(Tensor x, Tensor packed, Tensor scale_min) -> Tensor", linear_int4);
   m.def("attend(Tensor q, Tensor k, Tensor v, float scale) -> Tensor", attend);
-  m.def("linear(Tensor x, Tensor[] w) -> Tensor", linear_any);
   m.def("rms_norm(Tensor x, Tensor w, float eps) -> Tensor", rms_norm);
   m.def("rope(Tensor t, Tensor cos, Tensor sin) -> Tensor", rope);
   m.def("silu_mul(Tensor g, Tensor u) -> Tensor", silu_mul);
