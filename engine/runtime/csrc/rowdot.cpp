@@ -15,6 +15,8 @@
 #include <ATen/Parallel.h>
 #include <cstdint>
 #include <cmath>
+#include <cassert>
+#include <cstdlib>
 #include <cstring>
 #include <algorithm>
 #include <vector>
@@ -58,10 +60,9 @@ static inline float reduce(v16 a0, v16 a1, v16 a2, v16 a3) {
   return (q[0] + q[2]) + (q[1] + q[3]);
 }
 
-// R input rows against one weight row w [k]: y[r · ys] = Σ_i w[i] · x[r · k + i]. Every row gets
-// the same operations in the same order whatever R (four 16-lane FMA chains over i, then
-// `reduce`): R only decides how many rows share each load of w (`TILE`). A bf16 or int8 row
-// widens in registers (exact: bf16 is fp32's top half, every int8 an fp32).
+// One weight row w [k] against one input row x: Σ_i w[i] · x[i] by four 16-lane FMA chains over i
+// (chain c takes i ≡ 16c … 16c + 15 mod 64) in order, then `reduce`: the order every linear
+// element below and every attention score follows.
 static inline v16 load_w(const float* p) { return load_f32(p); }
 static inline v16 load_w(const uint16_t* p) { return load_bf16(p); }
 static inline v16 load_w(const int8_t* p) { return load_i8(p); }
@@ -82,25 +83,70 @@ static void tile(const W* w, const float* x, int64_t k, float* y, int64_t ys) {
   for (int r = 0; r < R; ++r) y[r * ys] = reduce(acc[r][0], acc[r][1], acc[r][2], acc[r][3]);
 }
 
-// Input rows per tile: with AVX-512's 32 registers six rows' 24 accumulators and the four weight
-// vectors fit, so a verify of up to six rows (γ ≤ 5) reads each weight row once; AVX2's 16 hold
-// far fewer (a 16-lane vector takes two). Which rows share a tile never changes a row's bits.
+// N weight rows against R input rows by `tile`'s chains: each weight vector loaded once serves R
+// input rows, each input vector N weight rows, and a plain step (R = 1) keeps 4 · N chains in
+// flight instead of 4. Each row's weights are read in order (a stream the prefetchers follow), and
+// the row `ahead` elements on is prefetched into L2 at the same place as they go (0: none), so a
+// verify's extra rows compute while the weights stream in. y[r · ys + n] gets `tile`'s arithmetic
+// whatever N, R and the row's neighbours.
+template <int N, int R, typename W>
+static void gemm_tile(const W* const* w, const float* x, int64_t k, float* y, int64_t ys, int64_t ahead) {
+  v16 acc[N][R][4] = {};
+  for (int64_t i = 0; i < k; i += 64) {
+#pragma GCC unroll 4
+    for (int n = 0; n < N; ++n) {
+      const v16 w0 = load_w(w[n] + i), w1 = load_w(w[n] + i + 16), w2 = load_w(w[n] + i + 32), w3 = load_w(w[n] + i + 48);
+      if (ahead)
+        for (int64_t b = 0; b < 64 * (int64_t)sizeof(W); b += 64) __builtin_prefetch((const char*)(w[n] + i + ahead) + b, 0, 2);
+#pragma GCC unroll 6
+      for (int r = 0; r < R; ++r) {
+        const float* xr = x + r * k + i;
+        acc[n][r][0] += w0 * load_f32(xr);
+        acc[n][r][1] += w1 * load_f32(xr + 16);
+        acc[n][r][2] += w2 * load_f32(xr + 32);
+        acc[n][r][3] += w3 * load_f32(xr + 48);
+      }
+    }
+  }
+  for (int n = 0; n < N; ++n)
+    for (int r = 0; r < R; ++r) y[r * ys + n] = reduce(acc[n][r][0], acc[n][r][1], acc[n][r][2], acc[n][r][3]);
+}
+
+// Input rows per tile, and weight rows per tile at each input-row count: as many 4-chain
+// accumulators as the vector registers hold beside the weight vectors (AVX-512: 32 registers of
+// 16 lanes; AVX2: 16 of 8, a 16-lane vector taking two). Up to TILE rows (a verify of γ ≤ TILE − 1)
+// read each weight row once. Which rows share a tile never changes an element's bits.
 #if defined(__AVX512F__)
 constexpr int TILE = 6;
+constexpr int wide(int r) { return r <= 2 ? 2 : 1; }
 #else
 constexpr int TILE = 2;
+constexpr int wide(int) { return 1; }
 #endif
+constexpr int64_t BW = 8;  // weight rows handed to `rows_against` at a time (a multiple of every `wide`)
 
+// nw ≤ BW weight rows against R input rows: tiles of wide(R) weight rows, the rest one at a time.
+template <int R, typename W>
+static void weight_block(const W* const* w, int64_t nw, const float* x, int64_t k, float* y, int64_t ys,
+                         int64_t ahead) {
+  constexpr int N = wide(R);
+  int64_t n = 0;
+  for (; n + N <= nw; n += N) gemm_tile<N, R>(w + n, x, k, y + n, ys, ahead);
+  for (; n < nw; ++n) gemm_tile<1, R>(w + n, x, k, y + n, ys, ahead);
+}
+
+// nw weight rows against m input rows x [m, k]: y[r · ys + n] for every (r, n).
 template <typename W>
-static void rows_against(const W* w, const float* x, int64_t k, int64_t m, float* y, int64_t ys) {
+static void rows_against(const W* const* w, int64_t nw, const float* x, int64_t k, int64_t m, float* y, int64_t ys,
+                         int64_t ahead) {
   int64_t r = 0;
-  for (; r + TILE <= m; r += TILE) tile<TILE>(w, x + r * k, k, y + r * ys, ys);
+  for (; r + TILE <= m; r += TILE) weight_block<TILE>(w, nw, x + r * k, k, y + r * ys, ys, ahead);
   switch (m - r) {
-    case 5: if constexpr (TILE > 5) tile<5>(w, x + r * k, k, y + r * ys, ys); break;
-    case 4: if constexpr (TILE > 4) tile<4>(w, x + r * k, k, y + r * ys, ys); break;
-    case 3: if constexpr (TILE > 3) tile<3>(w, x + r * k, k, y + r * ys, ys); break;
-    case 2: if constexpr (TILE > 2) tile<2>(w, x + r * k, k, y + r * ys, ys); break;
-    case 1: tile<1>(w, x + r * k, k, y + r * ys, ys); break;
+    case 5: if constexpr (TILE > 5) weight_block<5>(w, nw, x + r * k, k, y + r * ys, ys, ahead); break;
+    case 4: if constexpr (TILE > 4) weight_block<4>(w, nw, x + r * k, k, y + r * ys, ys, ahead); break;
+    case 3: if constexpr (TILE > 3) weight_block<3>(w, nw, x + r * k, k, y + r * ys, ys, ahead); break;
+    case 2: if constexpr (TILE > 2) weight_block<2>(w, nw, x + r * k, k, y + r * ys, ys, ahead); break;
+    case 1: weight_block<1>(w, nw, x + r * k, k, y + r * ys, ys, ahead); break;
   }
 }
 
@@ -109,32 +155,54 @@ static void rows_against(const W* w, const float* x, int64_t k, int64_t m, float
 // its input rounded to bf16 in `vdpbf16ps`: 32 products a step, each exact in fp32, summed into
 // two 16-lane chains over k in order (the instruction's own fixed pairing), then `reduce`. A bf16
 // model's activations are bf16 already (every module hands bf16 on), so rounding the input loses
-// nothing there; the arithmetic, like the tile's, is the same whatever the row count.
-template <int R>
-static void tile_dp(const uint16_t* w, const uint16_t* x, int64_t k, float* y, int64_t ys) {
-  __m512 acc[R][2];
-  for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
+// nothing there. Tiled as `gemm_tile`: the arithmetic is the same whatever the row count.
+template <int N, int R>
+static void gemm_tile_dp(const uint16_t* const* w, const uint16_t* x, int64_t k, float* y, int64_t ys, int64_t ahead) {
+  __m512 acc[N][R][2];
+  for (int n = 0; n < N; ++n)
+    for (int r = 0; r < R; ++r) acc[n][r][0] = acc[n][r][1] = _mm512_setzero_ps();
   for (int64_t i = 0; i < k; i += 64) {
-    const __m512bh w0 = (__m512bh)_mm512_loadu_si512(w + i), w1 = (__m512bh)_mm512_loadu_si512(w + i + 32);
-    for (int r = 0; r < R; ++r) {
-      const uint16_t* xr = x + r * k + i;
-      acc[r][0] = _mm512_dpbf16_ps(acc[r][0], w0, (__m512bh)_mm512_loadu_si512(xr));
-      acc[r][1] = _mm512_dpbf16_ps(acc[r][1], w1, (__m512bh)_mm512_loadu_si512(xr + 32));
+#pragma GCC unroll 4
+    for (int n = 0; n < N; ++n) {
+      const __m512bh w0 = (__m512bh)_mm512_loadu_si512(w[n] + i), w1 = (__m512bh)_mm512_loadu_si512(w[n] + i + 32);
+      if (ahead) {
+        __builtin_prefetch(w[n] + i + ahead, 0, 2);
+        __builtin_prefetch(w[n] + i + 32 + ahead, 0, 2);
+      }
+#pragma GCC unroll 6
+      for (int r = 0; r < R; ++r) {
+        const uint16_t* xr = x + r * k + i;
+        acc[n][r][0] = _mm512_dpbf16_ps(acc[n][r][0], w0, (__m512bh)_mm512_loadu_si512(xr));
+        acc[n][r][1] = _mm512_dpbf16_ps(acc[n][r][1], w1, (__m512bh)_mm512_loadu_si512(xr + 32));
+      }
     }
   }
-  for (int r = 0; r < R; ++r) {
-    v16 a0, a1; std::memcpy(&a0, &acc[r][0], 64); std::memcpy(&a1, &acc[r][1], 64);
-    y[r * ys] = reduce(a0, a1, v16{}, v16{});
-  }
+  for (int n = 0; n < N; ++n)
+    for (int r = 0; r < R; ++r) {
+      v16 a0, a1; std::memcpy(&a0, &acc[n][r][0], 64); std::memcpy(&a1, &acc[n][r][1], 64);
+      y[r * ys + n] = reduce(a0, a1, v16{}, v16{});
+    }
 }
 
-static void rows_against_dp(const uint16_t* w, const uint16_t* x, int64_t k, int64_t m, float* y, int64_t ys) {
+template <int R>
+static void weight_block_dp(const uint16_t* const* w, int64_t nw, const uint16_t* x, int64_t k, float* y, int64_t ys,
+                            int64_t ahead) {
+  constexpr int N = wide(R);
+  int64_t n = 0;
+  for (; n + N <= nw; n += N) gemm_tile_dp<N, R>(w + n, x, k, y + n, ys, ahead);
+  for (; n < nw; ++n) gemm_tile_dp<1, R>(w + n, x, k, y + n, ys, ahead);
+}
+
+static void rows_against_dp(const uint16_t* const* w, int64_t nw, const uint16_t* x, int64_t k, int64_t m, float* y,
+                            int64_t ys, int64_t ahead) {
   int64_t r = 0;
-  for (; r + 4 <= m; r += 4) tile_dp<4>(w, x + r * k, k, y + r * ys, ys);
+  for (; r + TILE <= m; r += TILE) weight_block_dp<TILE>(w, nw, x + r * k, k, y + r * ys, ys, ahead);
   switch (m - r) {
-    case 3: tile_dp<3>(w, x + r * k, k, y + r * ys, ys); break;
-    case 2: tile_dp<2>(w, x + r * k, k, y + r * ys, ys); break;
-    case 1: tile_dp<1>(w, x + r * k, k, y + r * ys, ys); break;
+    case 5: weight_block_dp<5>(w, nw, x + r * k, k, y + r * ys, ys, ahead); break;
+    case 4: weight_block_dp<4>(w, nw, x + r * k, k, y + r * ys, ys, ahead); break;
+    case 3: weight_block_dp<3>(w, nw, x + r * k, k, y + r * ys, ys, ahead); break;
+    case 2: weight_block_dp<2>(w, nw, x + r * k, k, y + r * ys, ys, ahead); break;
+    case 1: weight_block_dp<1>(w, nw, x + r * k, k, y + r * ys, ys, ahead); break;
   }
 }
 #endif
@@ -189,51 +257,93 @@ static inline auto row_of(const Weight& w, int64_t o, float* buf) {
   }
 }
 
-constexpr int64_t AHEAD = 4;
 constexpr int64_t MAX_K = 8192;
-
+// Weight rows between a row read and the one it prefetches: ~32 KB of the weight, at least 4 rows
+// (into L2, which every x86 core has at 256 KB or more).
+static inline int64_t ahead_rows(const Weight& w) { return std::max<int64_t>(4, 32768 / w.row_bytes); }
 constexpr int64_t WBLOCK = 32;  // weight rows a long read keeps in cache while blocks of input rows pass
 
-// Runs `dot(o, row, r0, r1)` — input rows [r0, r1) against weight row o, as `row(o, buf)` gives
-// it — for every output o and every input row, over the output rows split between threads. A
-// plain step or verify (m ≤ TILE) streams the weight rows once, prefetching ahead; a longer read
-// (a prefill) goes a block of WBLOCK weight rows at a time, each met by every block of input rows
-// while it stays in cache, instead of streaming all m input rows past each weight row. Which rows
-// share a pass never changes an element's arithmetic.
+// Widened weight rows, 64-byte aligned as the tiles read them (a split load costs two).
+struct Buffer {
+  float* p;
+  explicit Buffer(int64_t n) : p(n ? static_cast<float*>(std::aligned_alloc(64, (n * 4 + 63) / 64 * 64)) : nullptr) {}
+  ~Buffer() { std::free(p); }
+  Buffer(const Buffer&) = delete;
+  Buffer& operator=(const Buffer&) = delete;
+};
+
+// Runs `dot(o0, rows, n, r0, r1, ahead)` — input rows [r0, r1) against the n ≤ BW weight rows
+// o0 … o0 + n − 1, as `row(o, buf)` gives them — for every output and every input row, over the
+// output rows split between threads. A plain step or verify (m ≤ TILE) streams the weight rows in
+// place, BW at a time, each read prefetching the row `ahead_rows` on (`ahead`: that distance in
+// the row's elements); a longer read (a prefill) goes a block of WBLOCK weight rows at a time, each
+// met by every block of input rows while it stays in cache. Which rows share a pass never changes
+// an element's arithmetic.
 template <typename Row, typename Dot>
 static void each_row(const Weight& w, int64_t m, Row row, Dot dot) {
+  using Ptr = decltype(row(0, (float*)nullptr));
+  const bool buffered = w.fmt == I4;  // 4 bits are widened into a buffer, a row at a time
   if (m <= TILE) {
+    assert(!buffered);
     at::parallel_for(0, w.out, 64, [&](int64_t begin, int64_t end) {
-      alignas(64) float buf[MAX_K];
-      for (int64_t o = begin; o < end; ++o) {
-        if (o + AHEAD < end)  // the row after next, line by line: one stream per thread is not enough here
-          for (int64_t b = 0; b < w.row_bytes; b += 64) __builtin_prefetch(w.base + (o + AHEAD) * w.row_bytes + b);
-        dot(o, row(o, buf), 0, m);
+      const int64_t ahead = ahead_rows(w) * w.k;
+      Ptr rows[BW];
+      for (int64_t o0 = begin; o0 < end; o0 += BW) {
+        const int64_t n = std::min(BW, end - o0);
+        for (int64_t i = 0; i < n; ++i) rows[i] = row(o0 + i, nullptr);
+        dot(o0, rows, n, 0, m, ahead);
       }
     });
     return;
   }
   const int64_t rb = std::max<int64_t>(TILE, (8192 / w.k) / TILE * TILE);  // input rows per block: ~32 KB at fp32
   at::parallel_for(0, w.out, WBLOCK, [&](int64_t begin, int64_t end) {
-    std::vector<float> buf(WBLOCK * w.k);
+    Buffer buf(buffered ? WBLOCK * w.k : 0);
+    Ptr rows[WBLOCK];
     for (int64_t o0 = begin; o0 < end; o0 += WBLOCK) {
       const int64_t o1 = std::min(end, o0 + WBLOCK);
-      decltype(row(o0, buf.data())) rows[WBLOCK];
-      for (int64_t o = o0; o < o1; ++o) rows[o - o0] = row(o, buf.data() + (o - o0) * w.k);
+      for (int64_t o = o0; o < o1; ++o) rows[o - o0] = row(o, buf.p + (buffered ? (o - o0) * w.k : 0));
       for (int64_t r0 = 0; r0 < m; r0 += rb)
-        for (int64_t o = o0; o < o1; ++o) dot(o, rows[o - o0], r0, std::min(m, r0 + rb));
+        for (int64_t o = o0; o < o1; o += BW)
+          dot(o, rows + (o - o0), std::min(BW, o1 - o), r0, std::min(m, r0 + rb), 0);
     }
   });
 }
 
-// y [M, O] = x [M, K] · wᵀ, every element by `rows_against` (fp32 in and out).
+// A plain step or verify at 4 bits: each weight row widened into an L1 buffer and read there by
+// every input row at once (`tile`), the packed row 4 on prefetched as it goes. Widening is the slow
+// part here, so a row at a time beats `each_row`'s blocks of rows.
+static void matmul_i4_few(const Weight& w, const float* x, int64_t m, float* y) {
+  at::parallel_for(0, w.out, 64, [&](int64_t begin, int64_t end) {
+    alignas(64) float buf[MAX_K];
+    for (int64_t o = begin; o < end; ++o) {
+      if (o + 4 < end)
+        for (int64_t b = 0; b < w.row_bytes; b += 64) __builtin_prefetch(w.base + (o + 4) * w.row_bytes + b);
+      const float* wr = row_of<I4>(w, o, buf);
+      int64_t r = 0;
+      for (; r + TILE <= m; r += TILE) tile<TILE>(wr, x + r * w.k, w.k, y + r * w.out + o, w.out);
+      switch (m - r) {
+        case 5: if constexpr (TILE > 5) tile<5>(wr, x + r * w.k, w.k, y + r * w.out + o, w.out); break;
+        case 4: if constexpr (TILE > 4) tile<4>(wr, x + r * w.k, w.k, y + r * w.out + o, w.out); break;
+        case 3: if constexpr (TILE > 3) tile<3>(wr, x + r * w.k, w.k, y + r * w.out + o, w.out); break;
+        case 2: if constexpr (TILE > 2) tile<2>(wr, x + r * w.k, w.k, y + r * w.out + o, w.out); break;
+        case 1: tile<1>(wr, x + r * w.k, w.k, y + r * w.out + o, w.out); break;
+      }
+    }
+  });
+}
+
+// y [M, O] = x [M, K] · wᵀ, every element by `gemm_tile` (fp32 in and out).
 template <Format F>
 static void matmul_as(const Weight& w, const float* x, int64_t m, float* y) {
+  if constexpr (F == I4)
+    if (m <= TILE) return matmul_i4_few(w, x, m, y);
   each_row(w, m, [&](int64_t o, float* buf) { return row_of<F>(w, o, buf); },
-           [&](int64_t o, auto wr, int64_t r0, int64_t r1) {
-             rows_against(wr, x + r0 * w.k, w.k, r1 - r0, y + r0 * w.out + o, w.out);
+           [&](int64_t o, auto* rows, int64_t n, int64_t r0, int64_t r1, int64_t ahead) {
+             rows_against(rows, n, x + r0 * w.k, w.k, r1 - r0, y + r0 * w.out + o, w.out, ahead);
              if constexpr (F == I8)  // y[r, o] = scale[o] · Σ_i q[o, i] · x[r, i]
-               for (int64_t r = r0; r < r1; ++r) y[r * w.out + o] *= w.aux[o];
+               for (int64_t r = r0; r < r1; ++r)
+                 for (int64_t i = 0; i < n; ++i) y[r * w.out + o + i] *= w.aux[o + i];
            });
 }
 
@@ -247,8 +357,8 @@ static void matmul(const Weight& w, const float* x, int64_t m, float* y) {
       std::vector<uint16_t> xb(m * w.k);  // the input at bf16 (round to nearest even)
       for (int64_t i = 0; i < m * w.k; ++i) xb[i] = c10::BFloat16(x[i]).x;
       each_row(w, m, [&](int64_t o, float*) { return reinterpret_cast<const uint16_t*>(w.base) + o * w.k; },
-               [&](int64_t o, const uint16_t* wr, int64_t r0, int64_t r1) {
-                 rows_against_dp(wr, xb.data() + r0 * w.k, w.k, r1 - r0, y + r0 * w.out + o, w.out);
+               [&](int64_t o, const uint16_t* const* rows, int64_t n, int64_t r0, int64_t r1, int64_t ahead) {
+                 rows_against_dp(rows, n, xb.data() + r0 * w.k, w.k, r1 - r0, y + r0 * w.out + o, w.out, ahead);
                });
       return;
     }
