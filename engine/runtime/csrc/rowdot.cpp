@@ -48,6 +48,16 @@ static inline v16 load_i8(const int8_t* p) {  // exact: every int8 is an fp32
   v16u8 u; std::memcpy(&u, p, 16); return __builtin_convertvector(__builtin_convertvector(u ^ (uint8_t)0x80, v16i), v16) - 128.0f;
 #endif
 }
+typedef uint32_t v16u __attribute__((vector_size(64)));
+typedef int32_t v16i_ __attribute__((vector_size(64)));
+// fp32 bits → bf16 bits (in the low half) as c10::BFloat16 rounds: to nearest even, NaN → 0x7FC0.
+static inline v16u bf16_bits(v16u u) {
+  const v16u r = (u + (((u >> 16) & 1u) + 0x7FFFu)) >> 16;
+  v16 f; std::memcpy(&f, &u, 64);
+  const v16i_ nan = f != f;  // all ones where NaN
+  v16u m; std::memcpy(&m, &nan, 64);
+  return (r & ~m) | (0x7FC0u & m);
+}
 static inline v16 from_u8(v16u8 u) { return __builtin_convertvector(__builtin_convertvector(u, v16i), v16); }
 
 // The lanes of four chains summed by one fixed tree: chains pairwise, then halves, quarters, …
@@ -355,7 +365,11 @@ static void matmul(const Weight& w, const float* x, int64_t m, float* y) {
 #ifdef __AVX512BF16__
     {
       std::vector<uint16_t> xb(m * w.k);  // the input at bf16 (round to nearest even)
-      for (int64_t i = 0; i < m * w.k; ++i) xb[i] = c10::BFloat16(x[i]).x;
+      for (int64_t i = 0; i < m * w.k; i += 16) {  // k is a multiple of 64
+        v16u u; std::memcpy(&u, x + i, 64);
+        const v16u16 b = __builtin_convertvector(bf16_bits(u), v16u16);
+        std::memcpy(xb.data() + i, &b, 32);
+      }
       each_row(w, m, [&](int64_t o, float*) { return reinterpret_cast<const uint16_t*>(w.base) + o * w.k; },
                [&](int64_t o, const uint16_t* const* rows, int64_t n, int64_t r0, int64_t r1, int64_t ahead) {
                  rows_against_dp(rows, n, xb.data() + r0 * w.k, w.k, r1 - r0, y + r0 * w.out + o, w.out, ahead);
@@ -377,8 +391,14 @@ static void matmul(const Weight& w, const float* x, int64_t m, float* y) {
 // (the RowNorm/RowMLP/RowAttention forwards) and the fused one (`layer_pre`/`layer_post`), run
 // the very same machine code.
 static void round_to(at::ScalarType t, float* p, int64_t n) {
-  if (t == at::kBFloat16)
-    for (int64_t i = 0; i < n; ++i) p[i] = static_cast<float>(c10::BFloat16(p[i]));
+  if (t != at::kBFloat16) return;
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16) {
+    v16u u; std::memcpy(&u, p + i, 64);
+    u = bf16_bits(u) << 16;
+    std::memcpy(p + i, &u, 64);
+  }
+  for (; i < n; ++i) p[i] = static_cast<float>(c10::BFloat16(p[i]));
 }
 
 // RMSNorm: y = w · (x / sqrt(mean(x²) + eps)), the normalized x rounded first (HF's order).
@@ -435,11 +455,20 @@ static void attend_row(const float* q, const KV* k, const KV* v, int64_t n, int6
   for (int64_t j = 0; j < n; ++j) { scores[j] *= scale; mx = scores[j] > mx ? scores[j] : mx; }
   float sum = 0.f;
   for (int64_t j = 0; j < n; ++j) { scores[j] = std::exp(scores[j] - mx); sum += scores[j]; }
-  for (int64_t c = 0; c < d; c += 16) {
-    v16 acc = {};
-    for (int64_t j = 0; j < n; ++j) acc += (v16{} + scores[j]) * load_w(v + j * d + c);
-    acc /= (v16{} + sum);
-    std::memcpy(out + c, &acc, 64);
+  for (int64_t c = 0; c < d; c += 64) {  // four 16-lane columns at once: four chains in flight, each in key order
+    v16 acc[4] = {};
+    for (int64_t j = 0; j < n; ++j) {
+      const v16 p = v16{} + scores[j];
+      const KV* vj = v + j * d + c;
+      acc[0] += p * load_w(vj);
+      acc[1] += p * load_w(vj + 16);
+      acc[2] += p * load_w(vj + 32);
+      acc[3] += p * load_w(vj + 48);
+    }
+    for (int i = 0; i < 4; ++i) {
+      acc[i] /= (v16{} + sum);
+      std::memcpy(out + c + 16 * i, &acc[i], 64);
+    }
   }
 }
 
