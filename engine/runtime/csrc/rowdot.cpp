@@ -320,24 +320,48 @@ static void each_row(const Weight& w, int64_t m, Row row, Dot dot) {
   });
 }
 
-// A plain step or verify at 4 bits: each weight row widened into an L1 buffer and read there by
-// every input row at once (`tile`), the packed row 4 on prefetched as it goes. Widening is the slow
-// part here, so a row at a time beats `each_row`'s blocks of rows.
+// R input rows against one 4-bit weight row (packed pp, scale_min sm), widened in registers: each
+// lane's w = q · scale + min as `row_of<I4>` computes it (one FMA), then `tile`'s chains and
+// `reduce`. In a block of 64 inputs, group 2b's low nibbles are chain 0's lanes, its high nibbles
+// chain 1's; group 2b + 1's, chains 2 and 3.
+template <int R>
+static void tile_q4(const uint8_t* pp, const float* sm, const float* x, int64_t k, float* y, int64_t ys) {
+  v16 acc[R][4] = {};
+  for (int64_t i = 0; i < k; i += 64) {
+    const int64_t g = i / 32;
+    v16u8 u0, u1; std::memcpy(&u0, pp + g * 16, 16); std::memcpy(&u1, pp + g * 16 + 16, 16);
+    const v16 s0 = v16{} + sm[2 * g], m0 = v16{} + sm[2 * g + 1], s1 = v16{} + sm[2 * g + 2], m1 = v16{} + sm[2 * g + 3];
+    const v16 w0 = from_u8(u0 & (uint8_t)15) * s0 + m0, w1 = from_u8(u0 >> 4) * s0 + m0;
+    const v16 w2 = from_u8(u1 & (uint8_t)15) * s1 + m1, w3 = from_u8(u1 >> 4) * s1 + m1;
+#pragma GCC unroll 6
+    for (int r = 0; r < R; ++r) {
+      const float* xr = x + r * k + i;
+      acc[r][0] += w0 * load_f32(xr);
+      acc[r][1] += w1 * load_f32(xr + 16);
+      acc[r][2] += w2 * load_f32(xr + 32);
+      acc[r][3] += w3 * load_f32(xr + 48);
+    }
+  }
+  for (int r = 0; r < R; ++r) y[r * ys] = reduce(acc[r][0], acc[r][1], acc[r][2], acc[r][3]);
+}
+
+// A plain step or verify at 4 bits: each weight row widened in registers (`tile_q4`) and met by
+// every input row at once, the packed row 4 on prefetched as it goes.
 static void matmul_i4_few(const Weight& w, const float* x, int64_t m, float* y) {
   at::parallel_for(0, w.out, 64, [&](int64_t begin, int64_t end) {
-    alignas(64) float buf[MAX_K];
     for (int64_t o = begin; o < end; ++o) {
       if (o + 4 < end)
         for (int64_t b = 0; b < w.row_bytes; b += 64) __builtin_prefetch(w.base + (o + 4) * w.row_bytes + b);
-      const float* wr = row_of<I4>(w, o, buf);
+      const uint8_t* pp = reinterpret_cast<const uint8_t*>(w.base) + o * w.row_bytes;
+      const float* sm = w.aux + o * (w.k / 32) * 2;
       int64_t r = 0;
-      for (; r + TILE <= m; r += TILE) tile<TILE>(wr, x + r * w.k, w.k, y + r * w.out + o, w.out);
+      for (; r + TILE <= m; r += TILE) tile_q4<TILE>(pp, sm, x + r * w.k, w.k, y + r * w.out + o, w.out);
       switch (m - r) {
-        case 5: if constexpr (TILE > 5) tile<5>(wr, x + r * w.k, w.k, y + r * w.out + o, w.out); break;
-        case 4: if constexpr (TILE > 4) tile<4>(wr, x + r * w.k, w.k, y + r * w.out + o, w.out); break;
-        case 3: if constexpr (TILE > 3) tile<3>(wr, x + r * w.k, w.k, y + r * w.out + o, w.out); break;
-        case 2: if constexpr (TILE > 2) tile<2>(wr, x + r * w.k, w.k, y + r * w.out + o, w.out); break;
-        case 1: tile<1>(wr, x + r * w.k, w.k, y + r * w.out + o, w.out); break;
+        case 5: if constexpr (TILE > 5) tile_q4<5>(pp, sm, x + r * w.k, w.k, y + r * w.out + o, w.out); break;
+        case 4: if constexpr (TILE > 4) tile_q4<4>(pp, sm, x + r * w.k, w.k, y + r * w.out + o, w.out); break;
+        case 3: if constexpr (TILE > 3) tile_q4<3>(pp, sm, x + r * w.k, w.k, y + r * w.out + o, w.out); break;
+        case 2: if constexpr (TILE > 2) tile_q4<2>(pp, sm, x + r * w.k, w.k, y + r * w.out + o, w.out); break;
+        case 1: tile_q4<1>(pp, sm, x + r * w.k, w.k, y + r * w.out + o, w.out); break;
       }
     }
   });
