@@ -8,7 +8,7 @@
 // (they block, split and reorder the reduction by row count). Here every output element gets the
 // same operations in the same order whatever the row count or the thread count: its weight row at
 // fp32 (the format's dequantization), four 16-lane FMA chains over k in order, a fixed tree over
-// chains and lanes (`tile`; bf16 with AVX512-BF16: `tile_dp`). A weight row is read once for up
+// chains and lanes (`tile`, `gemm_tile`, `tile_q4`; bf16 with AVX512-BF16: `gemm_tile_dp`). A weight row is read once for up
 // to `TILE` input rows. Compiled per machine (-march=native) by engine/runtime/rowdot.py.
 #include <torch/library.h>
 #include <ATen/ATen.h>
