@@ -77,20 +77,31 @@ static inline v16 load_w(const float* p) { return load_f32(p); }
 static inline v16 load_w(const uint16_t* p) { return load_bf16(p); }
 static inline v16 load_w(const int8_t* p) { return load_i8(p); }
 
+// One block of 64 inputs (i … i + 63) into the four chains of R rows x [R, k]: acc[r][c] +=
+// w_c · x[r, i + 16c …], chain c's lanes being inputs i + 16c … i + 16c + 15.
+template <int R>
+static inline void chains_block(v16 (&acc)[R][4], v16 w0, v16 w1, v16 w2, v16 w3, const float* x, int64_t k, int64_t i) {
+#pragma GCC unroll 6
+  for (int r = 0; r < R; ++r) {
+    const float* xr = x + r * k + i;
+    acc[r][0] += w0 * load_f32(xr);
+    acc[r][1] += w1 * load_f32(xr + 16);
+    acc[r][2] += w2 * load_f32(xr + 32);
+    acc[r][3] += w3 * load_f32(xr + 48);
+  }
+}
+
+template <int R>
+static inline void reduce_rows(v16 (&acc)[R][4], float* y, int64_t ys) {
+  for (int r = 0; r < R; ++r) y[r * ys] = reduce(acc[r][0], acc[r][1], acc[r][2], acc[r][3]);
+}
+
 template <int R, typename W>
 static void tile(const W* w, const float* x, int64_t k, float* y, int64_t ys) {
   v16 acc[R][4] = {};
-  for (int64_t i = 0; i < k; i += 64) {
-    const v16 w0 = load_w(w + i), w1 = load_w(w + i + 16), w2 = load_w(w + i + 32), w3 = load_w(w + i + 48);
-    for (int r = 0; r < R; ++r) {
-      const float* xr = x + r * k + i;
-      acc[r][0] += w0 * load_f32(xr);
-      acc[r][1] += w1 * load_f32(xr + 16);
-      acc[r][2] += w2 * load_f32(xr + 32);
-      acc[r][3] += w3 * load_f32(xr + 48);
-    }
-  }
-  for (int r = 0; r < R; ++r) y[r * ys] = reduce(acc[r][0], acc[r][1], acc[r][2], acc[r][3]);
+  for (int64_t i = 0; i < k; i += 64)
+    chains_block<R>(acc, load_w(w + i), load_w(w + i + 16), load_w(w + i + 32), load_w(w + i + 48), x, k, i);
+  reduce_rows<R>(acc, y, ys);
 }
 
 // N weight rows against R input rows by `tile`'s chains: each weight vector loaded once serves R
@@ -105,21 +116,12 @@ static void gemm_tile(const W* const* w, const float* x, int64_t k, float* y, in
   for (int64_t i = 0; i < k; i += 64) {
 #pragma GCC unroll 4
     for (int n = 0; n < N; ++n) {
-      const v16 w0 = load_w(w[n] + i), w1 = load_w(w[n] + i + 16), w2 = load_w(w[n] + i + 32), w3 = load_w(w[n] + i + 48);
       if (ahead)
         for (int64_t b = 0; b < 64 * (int64_t)sizeof(W); b += 64) __builtin_prefetch((const char*)(w[n] + i + ahead) + b, 0, 2);
-#pragma GCC unroll 6
-      for (int r = 0; r < R; ++r) {
-        const float* xr = x + r * k + i;
-        acc[n][r][0] += w0 * load_f32(xr);
-        acc[n][r][1] += w1 * load_f32(xr + 16);
-        acc[n][r][2] += w2 * load_f32(xr + 32);
-        acc[n][r][3] += w3 * load_f32(xr + 48);
-      }
+      chains_block<R>(acc[n], load_w(w[n] + i), load_w(w[n] + i + 16), load_w(w[n] + i + 32), load_w(w[n] + i + 48), x, k, i);
     }
   }
-  for (int n = 0; n < N; ++n)
-    for (int r = 0; r < R; ++r) y[r * ys + n] = reduce(acc[n][r][0], acc[n][r][1], acc[n][r][2], acc[n][r][3]);
+  for (int n = 0; n < N; ++n) reduce_rows<R>(acc[n], y + n, ys);
 }
 
 // Input rows per tile, and weight rows per tile at each input-row count: as many 4-chain
@@ -135,30 +137,37 @@ constexpr int wide(int) { return 1; }
 #endif
 constexpr int64_t BW = 8;  // weight rows handed to `rows_against` at a time (a multiple of every `wide`)
 
-// nw ≤ BW weight rows against R input rows: tiles of wide(R) weight rows, the rest one at a time.
-template <int R, typename W>
-static void weight_block(const W* const* w, int64_t nw, const float* x, int64_t k, float* y, int64_t ys,
-                         int64_t ahead) {
+// nw ≤ BW weight rows against R input rows: tiles (T::run, `gemm_tile` or `gemm_tile_dp`) of wide(R)
+// weight rows, the rest one at a time.
+template <class T, int R, typename W, typename X>
+static void weight_block(const W* const* w, int64_t nw, const X* x, int64_t k, float* y, int64_t ys, int64_t ahead) {
   constexpr int N = wide(R);
   int64_t n = 0;
-  for (; n + N <= nw; n += N) gemm_tile<N, R>(w + n, x, k, y + n, ys, ahead);
-  for (; n < nw; ++n) gemm_tile<1, R>(w + n, x, k, y + n, ys, ahead);
+  for (; n + N <= nw; n += N) T::template run<N, R>(w + n, x, k, y + n, ys, ahead);
+  for (; n < nw; ++n) T::template run<1, R>(w + n, x, k, y + n, ys, ahead);
 }
 
 // nw weight rows against m input rows x [m, k]: y[r · ys + n] for every (r, n).
-template <typename W>
-static void rows_against(const W* const* w, int64_t nw, const float* x, int64_t k, int64_t m, float* y, int64_t ys,
+template <class T, typename W, typename X>
+static void rows_against(const W* const* w, int64_t nw, const X* x, int64_t k, int64_t m, float* y, int64_t ys,
                          int64_t ahead) {
   int64_t r = 0;
-  for (; r + TILE <= m; r += TILE) weight_block<TILE>(w, nw, x + r * k, k, y + r * ys, ys, ahead);
+  for (; r + TILE <= m; r += TILE) weight_block<T, TILE>(w, nw, x + r * k, k, y + r * ys, ys, ahead);
   switch (m - r) {
-    case 5: if constexpr (TILE > 5) weight_block<5>(w, nw, x + r * k, k, y + r * ys, ys, ahead); break;
-    case 4: if constexpr (TILE > 4) weight_block<4>(w, nw, x + r * k, k, y + r * ys, ys, ahead); break;
-    case 3: if constexpr (TILE > 3) weight_block<3>(w, nw, x + r * k, k, y + r * ys, ys, ahead); break;
-    case 2: if constexpr (TILE > 2) weight_block<2>(w, nw, x + r * k, k, y + r * ys, ys, ahead); break;
-    case 1: weight_block<1>(w, nw, x + r * k, k, y + r * ys, ys, ahead); break;
+    case 5: if constexpr (TILE > 5) weight_block<T, 5>(w, nw, x + r * k, k, y + r * ys, ys, ahead); break;
+    case 4: if constexpr (TILE > 4) weight_block<T, 4>(w, nw, x + r * k, k, y + r * ys, ys, ahead); break;
+    case 3: if constexpr (TILE > 3) weight_block<T, 3>(w, nw, x + r * k, k, y + r * ys, ys, ahead); break;
+    case 2: if constexpr (TILE > 2) weight_block<T, 2>(w, nw, x + r * k, k, y + r * ys, ys, ahead); break;
+    case 1: weight_block<T, 1>(w, nw, x + r * k, k, y + r * ys, ys, ahead); break;
   }
 }
+
+struct Fma {  // fp32 inputs against fp32, bf16 or int8 weight rows
+  template <int N, int R, typename W>
+  static void run(const W* const* w, const float* x, int64_t k, float* y, int64_t ys, int64_t ahead) {
+    gemm_tile<N, R>(w, x, k, y, ys, ahead);
+  }
+};
 
 #ifdef __AVX512BF16__
 // Where the CPU has AVX512-BF16 (Intel since Cooper Lake, AMD since Zen 4), a bf16 weight meets
@@ -194,27 +203,12 @@ static void gemm_tile_dp(const uint16_t* const* w, const uint16_t* x, int64_t k,
     }
 }
 
-template <int R>
-static void weight_block_dp(const uint16_t* const* w, int64_t nw, const uint16_t* x, int64_t k, float* y, int64_t ys,
-                            int64_t ahead) {
-  constexpr int N = wide(R);
-  int64_t n = 0;
-  for (; n + N <= nw; n += N) gemm_tile_dp<N, R>(w + n, x, k, y + n, ys, ahead);
-  for (; n < nw; ++n) gemm_tile_dp<1, R>(w + n, x, k, y + n, ys, ahead);
-}
-
-static void rows_against_dp(const uint16_t* const* w, int64_t nw, const uint16_t* x, int64_t k, int64_t m, float* y,
-                            int64_t ys, int64_t ahead) {
-  int64_t r = 0;
-  for (; r + TILE <= m; r += TILE) weight_block_dp<TILE>(w, nw, x + r * k, k, y + r * ys, ys, ahead);
-  switch (m - r) {
-    case 5: weight_block_dp<5>(w, nw, x + r * k, k, y + r * ys, ys, ahead); break;
-    case 4: weight_block_dp<4>(w, nw, x + r * k, k, y + r * ys, ys, ahead); break;
-    case 3: weight_block_dp<3>(w, nw, x + r * k, k, y + r * ys, ys, ahead); break;
-    case 2: weight_block_dp<2>(w, nw, x + r * k, k, y + r * ys, ys, ahead); break;
-    case 1: weight_block_dp<1>(w, nw, x + r * k, k, y + r * ys, ys, ahead); break;
+struct Dp {  // bf16 inputs against bf16 weight rows
+  template <int N, int R>
+  static void run(const uint16_t* const* w, const uint16_t* x, int64_t k, float* y, int64_t ys, int64_t ahead) {
+    gemm_tile_dp<N, R>(w, x, k, y, ys, ahead);
   }
-}
+};
 #endif
 
 // A linear's weight as the kernel reads it: its format, bytes and (int8/int4) scales.
@@ -333,16 +327,9 @@ static void tile_q4(const uint8_t* pp, const float* sm, const float* x, int64_t 
     const v16 s0 = v16{} + sm[2 * g], m0 = v16{} + sm[2 * g + 1], s1 = v16{} + sm[2 * g + 2], m1 = v16{} + sm[2 * g + 3];
     const v16 w0 = from_u8(u0 & (uint8_t)15) * s0 + m0, w1 = from_u8(u0 >> 4) * s0 + m0;
     const v16 w2 = from_u8(u1 & (uint8_t)15) * s1 + m1, w3 = from_u8(u1 >> 4) * s1 + m1;
-#pragma GCC unroll 6
-    for (int r = 0; r < R; ++r) {
-      const float* xr = x + r * k + i;
-      acc[r][0] += w0 * load_f32(xr);
-      acc[r][1] += w1 * load_f32(xr + 16);
-      acc[r][2] += w2 * load_f32(xr + 32);
-      acc[r][3] += w3 * load_f32(xr + 48);
-    }
+    chains_block<R>(acc, w0, w1, w2, w3, x, k, i);
   }
-  for (int r = 0; r < R; ++r) y[r * ys] = reduce(acc[r][0], acc[r][1], acc[r][2], acc[r][3]);
+  reduce_rows<R>(acc, y, ys);
 }
 
 // A plain step or verify at 4 bits: each weight row widened in registers (`tile_q4`) and met by
@@ -374,7 +361,7 @@ static void matmul_as(const Weight& w, const float* x, int64_t m, float* y) {
     if (m <= TILE) return matmul_i4_few(w, x, m, y);
   each_row(w, m, [&](int64_t o, float* buf) { return row_of<F>(w, o, buf); },
            [&](int64_t o, auto* rows, int64_t n, int64_t r0, int64_t r1, int64_t ahead) {
-             rows_against(rows, n, x + r0 * w.k, w.k, r1 - r0, y + r0 * w.out + o, w.out, ahead);
+             rows_against<Fma>(rows, n, x + r0 * w.k, w.k, r1 - r0, y + r0 * w.out + o, w.out, ahead);
              if constexpr (F == I8)  // y[r, o] = scale[o] · Σ_i q[o, i] · x[r, i]
                for (int64_t r = r0; r < r1; ++r)
                  for (int64_t i = 0; i < n; ++i) y[r * w.out + o + i] *= w.aux[o + i];
@@ -396,7 +383,7 @@ static void matmul(const Weight& w, const float* x, int64_t m, float* y) {
       }
       each_row(w, m, [&](int64_t o, float*) { return reinterpret_cast<const uint16_t*>(w.base) + o * w.k; },
                [&](int64_t o, const uint16_t* const* rows, int64_t n, int64_t r0, int64_t r1, int64_t ahead) {
-                 rows_against_dp(rows, n, xb.data() + r0 * w.k, w.k, r1 - r0, y + r0 * w.out + o, w.out, ahead);
+                 rows_against<Dp>(rows, n, xb.data() + r0 * w.k, w.k, r1 - r0, y + r0 * w.out + o, w.out, ahead);
                });
       return;
     }
