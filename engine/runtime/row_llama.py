@@ -37,7 +37,8 @@ def _llama():
     return modeling_llama
 
 
-def _make_classes():
+@lru_cache(maxsize=1)
+def _classes() -> tuple:
     """The subclasses, made once transformers is imported."""
     ml = _llama()
 
@@ -81,11 +82,6 @@ def _make_classes():
             return self.o_proj(out.reshape(b, s, -1).contiguous()), weights
 
     return RowNorm, RowMLP, RowAttention
-
-
-@lru_cache(maxsize=1)
-def _classes() -> tuple:
-    return _make_classes()
 
 
 def refuses(model: torch.nn.Module) -> str | None:

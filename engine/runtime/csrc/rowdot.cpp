@@ -8,8 +8,9 @@
 // (they block, split and reorder the reduction by row count). Here every output element gets the
 // same operations in the same order whatever the row count or the thread count: its weight row at
 // fp32 (the format's dequantization), four 16-lane FMA chains over k in order, a fixed tree over
-// chains and lanes (`tile`, `gemm_tile`, `tile_q4`; bf16 with AVX512-BF16: `gemm_tile_dp`). A weight row is read once for up
-// to `TILE` input rows. Compiled per machine (-march=native) by engine/runtime/rowdot.py.
+// chains and lanes (`tile`, `gemm_tile`, `tile_q4`; bf16 with AVX512-BF16: `gemm_tile_dp`). A
+// weight row is read once for up to `TILE` input rows. Compiled per machine (-march=native) by
+// engine/runtime/rowdot.py.
 #include <torch/library.h>
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -70,9 +71,9 @@ static inline float reduce(v16 a0, v16 a1, v16 a2, v16 a3) {
   return (q[0] + q[2]) + (q[1] + q[3]);
 }
 
-// One weight row w [k] against one input row x: Σ_i w[i] · x[i] by four 16-lane FMA chains over i
-// (chain c takes i ≡ 16c … 16c + 15 mod 64) in order, then `reduce`: the order every linear
-// element below and every attention score follows.
+// R input rows x [R, k] against one weight row w [k]: y[r · ys] = Σ_i w[i] · x[r, i] by four
+// 16-lane FMA chains over i (chain c takes i ≡ 16c … 16c + 15 mod 64) in order, then `reduce`: the
+// order every linear element below and every attention score follows, whatever R.
 static inline v16 load_w(const float* p) { return load_f32(p); }
 static inline v16 load_w(const uint16_t* p) { return load_bf16(p); }
 static inline v16 load_w(const int8_t* p) { return load_i8(p); }
@@ -147,19 +148,26 @@ static void weight_block(const W* const* w, int64_t nw, const X* x, int64_t k, f
   for (; n < nw; ++n) T::template run<1, R>(w + n, x, k, y + n, ys, ahead);
 }
 
+// m input rows in tiles: f.template operator()<R>(r) for rows r … r + R − 1, TILE at a time, then
+// the rest in one tile.
+template <typename F>
+static void by_tiles(int64_t m, F f) {
+  int64_t r = 0;
+  for (; r + TILE <= m; r += TILE) f.template operator()<TILE>(r);
+  switch (m - r) {
+    case 5: if constexpr (TILE > 5) f.template operator()<5>(r); break;
+    case 4: if constexpr (TILE > 4) f.template operator()<4>(r); break;
+    case 3: if constexpr (TILE > 3) f.template operator()<3>(r); break;
+    case 2: if constexpr (TILE > 2) f.template operator()<2>(r); break;
+    case 1: f.template operator()<1>(r); break;
+  }
+}
+
 // nw weight rows against m input rows x [m, k]: y[r · ys + n] for every (r, n).
 template <class T, typename W, typename X>
 static void rows_against(const W* const* w, int64_t nw, const X* x, int64_t k, int64_t m, float* y, int64_t ys,
                          int64_t ahead) {
-  int64_t r = 0;
-  for (; r + TILE <= m; r += TILE) weight_block<T, TILE>(w, nw, x + r * k, k, y + r * ys, ys, ahead);
-  switch (m - r) {
-    case 5: if constexpr (TILE > 5) weight_block<T, 5>(w, nw, x + r * k, k, y + r * ys, ys, ahead); break;
-    case 4: if constexpr (TILE > 4) weight_block<T, 4>(w, nw, x + r * k, k, y + r * ys, ys, ahead); break;
-    case 3: if constexpr (TILE > 3) weight_block<T, 3>(w, nw, x + r * k, k, y + r * ys, ys, ahead); break;
-    case 2: if constexpr (TILE > 2) weight_block<T, 2>(w, nw, x + r * k, k, y + r * ys, ys, ahead); break;
-    case 1: weight_block<T, 1>(w, nw, x + r * k, k, y + r * ys, ys, ahead); break;
-  }
+  by_tiles(m, [&]<int R>(int64_t r) { weight_block<T, R>(w, nw, x + r * k, k, y + r * ys, ys, ahead); });
 }
 
 struct Fma {  // fp32 inputs against fp32, bf16 or int8 weight rows
@@ -341,15 +349,7 @@ static void matmul_i4_few(const Weight& w, const float* x, int64_t m, float* y) 
         for (int64_t b = 0; b < w.row_bytes; b += 64) __builtin_prefetch(w.base + (o + 4) * w.row_bytes + b);
       const uint8_t* pp = reinterpret_cast<const uint8_t*>(w.base) + o * w.row_bytes;
       const float* sm = w.aux + o * (w.k / 32) * 2;
-      int64_t r = 0;
-      for (; r + TILE <= m; r += TILE) tile_q4<TILE>(pp, sm, x + r * w.k, w.k, y + r * w.out + o, w.out);
-      switch (m - r) {
-        case 5: if constexpr (TILE > 5) tile_q4<5>(pp, sm, x + r * w.k, w.k, y + r * w.out + o, w.out); break;
-        case 4: if constexpr (TILE > 4) tile_q4<4>(pp, sm, x + r * w.k, w.k, y + r * w.out + o, w.out); break;
-        case 3: if constexpr (TILE > 3) tile_q4<3>(pp, sm, x + r * w.k, w.k, y + r * w.out + o, w.out); break;
-        case 2: if constexpr (TILE > 2) tile_q4<2>(pp, sm, x + r * w.k, w.k, y + r * w.out + o, w.out); break;
-        case 1: tile_q4<1>(pp, sm, x + r * w.k, w.k, y + r * w.out + o, w.out); break;
-      }
+      by_tiles(m, [&]<int R>(int64_t r) { tile_q4<R>(pp, sm, x + r * w.k, w.k, y + r * w.out + o, w.out); });
     }
   });
 }
