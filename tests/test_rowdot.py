@@ -19,11 +19,15 @@ def _linear(out: int, inp: int, seed: int) -> torch.nn.Linear:
     return lin
 
 
-@pytest.mark.parametrize("fmt", rowdot.FORMATS)
+@pytest.mark.parametrize("fmt", [*rowdot.FORMATS, "bf16 vector"])  # bf16 vector: AMX off (tiles where it is on)
 @pytest.mark.parametrize("out,inp", [(64, 64), (192, 576), (577, 128), (96, 1536)])
-def test_every_row_rounds_as_it_does_alone(fmt, out, inp):
+def test_every_row_rounds_as_it_does_alone(fmt, out, inp, monkeypatch):
+    if fmt == "bf16 vector":
+        monkeypatch.setenv("SPECLAB_AMX", "off")
+        fmt = "bf16"
     lin = _linear(out, inp, seed=out + inp)
     row_lin = rowdot.RowLinear(lin, fmt)
+    assert (row_lin.tensors[0].dim() == 4) == (fmt == "bf16" and out % 16 == 0 and rowdot.amx())
     dtype = torch.bfloat16 if fmt == "bf16" else torch.float32
     gen = torch.Generator().manual_seed(1)
     with torch.inference_mode():
@@ -37,6 +41,16 @@ def test_every_row_rounds_as_it_does_alone(fmt, out, inp):
             ref = F.linear(x.float(), rowdot.dequantize(fmt, row_lin.tensors))
             tol = 2e-2 if fmt == "bf16" else 1e-5
             assert torch.allclose(full.float(), ref, rtol=tol, atol=tol * ref.abs().max().item()), (fmt, m)
+
+
+def test_amx_tiles_hold_the_weight(monkeypatch):
+    w = _linear(96, 128, seed=5).weight.detach().bfloat16()
+    t = rowdot.tiled(w)
+    assert t.shape == (6, 4, 16, 32) and torch.equal(t[1, 2], w[16:32, 64:96]) and torch.equal(rowdot.untiled(t), w)
+    row_lin = rowdot.RowLinear(torch.nn.Linear(128, 96, bias=False).requires_grad_(False), "bf16")
+    assert torch.equal(row_lin.weight, rowdot.untiled(row_lin.tensors[0]) if rowdot.amx() else row_lin.tensors[0])
+    monkeypatch.setenv("SPECLAB_AMX", "off")  # the vector path
+    assert not rowdot.amx() and rowdot.RowLinear(torch.nn.Linear(128, 96, bias=False), "bf16").tensors[0].dim() == 2
 
 
 @pytest.mark.parametrize("fmt", ["int8", "int4"])
@@ -85,6 +99,7 @@ def test_speculative_output_equals_plain_decoding_at_every_cpu_tier(wide_dirs, t
 
     pair = load_pair(str(wide_dirs[0]), str(wide_dirs[1]), target_tier=tier, device="cpu")
     assert pair.exact_verify and pair.kernel_set.startswith(f"rowdot-{tier}-")
+    assert pair.kernel_set.endswith("-amx") == (tier == "bf16" and rowdot.amx())  # tiles round bf16 their own way
     assert pair.fast_verify_linears == rowdot.converted(pair.target)[0] > 0
     ids = pair.tokenizer("the cache holds the keys of every token", add_special_tokens=False)["input_ids"]
     x = torch.tensor([ids])

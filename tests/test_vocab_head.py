@@ -208,6 +208,28 @@ def test_an_int8_draft_scores_its_sub_head_in_int8():
     assert vocab_head.build(emb.float(), 100, 300, [2], int8=True).int8 is None  # fp32: no int8 kernel
 
 
+def test_a_draft_on_the_row_invariant_kernels_scores_its_sub_head_through_them():
+    """A draft whose body reads the row-invariant kernels scores its sub-head there too (bf16 rows
+    in AMX tiles where the CPU has them): fp32 scores of the head's own bf16 rows, one routine for
+    every scoring. Without the kernels, or for a width they do not read, the head stays a gemv."""
+    from engine.runtime import rowdot
+
+    if rowdot.unavailable() is not None:
+        pytest.skip(rowdot.unavailable())
+    gen = torch.Generator().manual_seed(0)
+    emb = torch.randn(300, 64, generator=gen).bfloat16()
+    head = vocab_head.build(emb, 96, 300, [2], ranking=torch.randperm(300, generator=gen), row=True)
+    assert isinstance(head.row, rowdot.RowLinear) and head.int8 is None
+    assert (head.row.tensors[0].dim() == 4) == rowdot.amx()  # tiles where AMX reads them
+    h = torch.randn(1, 64, generator=gen).bfloat16()
+    want = h.float() @ head.weight.float().t()  # [1, K]
+    got = head.logits(h)
+    assert got.shape == (1, 96) and got.dtype == torch.float32
+    torch.testing.assert_close(got, want, atol=1e-4 * float(want.abs().max()), rtol=0.0)
+    assert torch.equal(head.logits(h.clone()), got)
+    assert vocab_head.build(torch.randn(300, 40).bfloat16(), 96, 300, [2], row=True).row is None  # width 40
+
+
 def test_a_draft_that_does_not_read_int8_keeps_a_plain_sub_head(tiny_pair):
     pair = dataclasses.replace(tiny_pair)  # a fresh dict of heads
     assert vocab_head.sub_head(pair, pair.vocab_size // 2).int8 is None

@@ -353,7 +353,8 @@ def _row_invariant_kernels(model: torch.nn.Module, tier: str, dev: torch.device,
             return ""
         progress(f"row-invariant {tier} kernels for the target")
         rowdot.convert(model, tier)
-    return f"rowdot-{tier}-{rowdot.build_id()}"
+    tiles = any(isinstance(m, rowdot.RowLinear) and m.tensors[0].dim() == 4 for m in model.modules())
+    return f"rowdot-{tier}-{rowdot.build_id()}" + ("-amx" if tiles else "")  # AMX tiles round bf16 their own way
 
 
 def _eagle_head(target: str | None, eagle: str | None, t_model, dev: torch.device, progress) -> tuple[object | None, str]:

@@ -162,14 +162,17 @@ def _not_row_invariant() -> str | None:
     """The first format (or attention) whose rows, read 1…9 at a time, do not all round alike on
     this build; None when every one does (a few milliseconds, once per process)."""
     gen = torch.Generator().manual_seed(0)
-    w = torch.randn(72, 128, generator=gen)
-    x = torch.randn(9, 128, generator=gen)
+    w = torch.randn(80, 128, generator=gen)
+    x = torch.randn(20, 128, generator=gen)  # a read of 20 rows: more than one tile of every kind
     packs = {"fp32": (w,), "bf16": (w.bfloat16(),), "int8": quantize_int8(w), "int4": quantize_int4(w)}
+    if _amx_here():
+        packs["bf16 tiled"] = (tiled(w.bfloat16()),)
     for fmt, tensors in packs.items():
-        op = getattr(torch.ops.speclab_rowdot, _OPS[fmt])
-        rows = x.bfloat16() if fmt == "bf16" else x
+        op = getattr(torch.ops.speclab_rowdot, _OPS[fmt.split()[0]])
+        rows = x.bfloat16() if fmt.startswith("bf16") else x
         full = op(rows, *tensors)
-        if any(not torch.equal(op(rows[i : i + m], *tensors), full[i : i + m]) for m in (1, 2, 3, 4, 5) for i in (0, 9 - m)):
+        if any(not torch.equal(op(rows[i : i + m], *tensors), full[i : i + m])
+               for m in (1, 2, 3, 4, 5, 6, 16) for i in (0, 20 - m)):
             return fmt
     q, k = torch.randn(2, 9, 64, generator=gen), torch.randn(1, 20, 64, generator=gen)
     full = torch.ops.speclab_rowdot.attend(q, k, k, 0.125)
@@ -188,6 +191,18 @@ def build_id() -> str:
     """Which build this process reads through (part of the kernel-set name of a cost table)."""
     assert _load() is None
     return _build_key(_compiler())[:8]
+
+
+def amx() -> bool:
+    """Whether bf16 weights are read from AMX tiles here (csrc/rowdot.cpp `matmul_amx`): a CPU with
+    AMX whose kernel grants this process the tile state, unless $SPECLAB_AMX=off (the vector path,
+    for a comparison or a test of it)."""
+    return _load() is None and _amx_here()
+
+
+def _amx_here() -> bool:
+    """`amx()` once the library is loaded (its trial run asks before `_load` has an answer)."""
+    return os.environ.get("SPECLAB_AMX", "on").lower() not in ("off", "0", "no") and bool(torch.ops.speclab_rowdot.amx())
 
 
 # -- the weight formats -------------------------------------------------------------------------------
@@ -209,10 +224,26 @@ def quantize_int4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return packed, torch.stack([scale, lo], -1).contiguous()
 
 
+TILE_ROWS, TILE_K = 16, 32  # an AMX tile of a weight: 16 output rows × 32 inputs at bf16 (1 KB)
+
+
+def tiled(w: torch.Tensor) -> torch.Tensor:
+    """A bf16 weight [O, K] in the AMX kernel's order [O/16, K/32, 16, 32]: each tile contiguous,
+    a block of 16 output rows tile after tile along K, so a read streams it in order."""
+    o, k = w.shape
+    return w.view(o // TILE_ROWS, TILE_ROWS, k // TILE_K, TILE_K).permute(0, 2, 1, 3).contiguous()
+
+
+def untiled(t: torch.Tensor) -> torch.Tensor:
+    """`tiled`'s inverse: the weight [O, K]."""
+    blocks, steps = t.shape[:2]
+    return t.permute(0, 2, 1, 3).reshape(blocks * TILE_ROWS, steps * TILE_K)
+
+
 def dequantize(fmt: str, tensors: tuple[torch.Tensor, ...]) -> torch.Tensor:
     """The fp32 weight [O, K] a format's tensors stand for (what the kernel multiplies by)."""
     if fmt in ("fp32", "bf16"):
-        return tensors[0].float()
+        return (untiled(tensors[0]) if tensors[0].dim() == 4 else tensors[0]).float()
     if fmt == "int8":
         q, scale = tensors
         return q.float() * scale[:, None]
@@ -229,9 +260,10 @@ _OPS = {"fp32": "linear_f32", "bf16": "linear_bf16", "int8": "linear_int8", "int
 class RowLinear(torch.nn.Module):
     """A linear whose reads go through the row-invariant kernel.
 
-    fp32/bf16 keep the original weight (tied heads stay tied); int8/int4 hold the quantized form.
-    HF's peers run as shipped (verify_kernels.stock_kernels) through torch's own matmul on the
-    float weight (int8/int4: its dequantization, made once)."""
+    fp32/bf16 keep the original weight (tied heads stay tied), except bf16 where AMX reads it: then
+    its tiles (`tiled`, a copy where the weight is tied); int8/int4 hold the quantized form. HF's
+    peers run as shipped (verify_kernels.stock_kernels) through torch's own matmul on the float
+    weight (tiles, int8, int4: its plain or dequantized form, made once)."""
 
     def __init__(self, linear: torch.nn.Linear, fmt: str, tensors: tuple[torch.Tensor, ...] | None = None) -> None:
         """tensors: the format's own, where the weight is stored so already (a draft's int8 rows)."""
@@ -246,6 +278,8 @@ class RowLinear(torch.nn.Module):
             dtype = torch.float32 if fmt == "fp32" else torch.bfloat16
             if w.dtype != dtype or not w.is_contiguous():
                 w = w.to(dtype).contiguous()
+            if fmt == "bf16" and self.out_features % TILE_ROWS == 0 and amx():
+                w = tiled(w)
             self.tensors: tuple[torch.Tensor, ...] = (w,)
         else:
             self.tensors = (quantize_int8 if fmt == "int8" else quantize_int4)(w.float())
@@ -255,7 +289,9 @@ class RowLinear(torch.nn.Module):
     @property
     def weight(self) -> torch.Tensor:
         """The weight as a float tensor (for code that reads a linear's weight, e.g. EAGLE's head)."""
-        return self.tensors[0] if self.fmt in ("fp32", "bf16") else dequantize(self.fmt, self.tensors)
+        if self.fmt in ("fp32", "bf16"):
+            return untiled(self.tensors[0]) if self.tensors[0].dim() == 4 else self.tensors[0]
+        return dequantize(self.fmt, self.tensors)
 
     def extra_repr(self) -> str:
         return f"in={self.in_features}, out={self.out_features}, fmt={self.fmt}"
@@ -272,17 +308,21 @@ class RowLinear(torch.nn.Module):
         return out.reshape(*x.shape[:-1], self.out_features)
 
     def _stock(self, x: torch.Tensor) -> torch.Tensor:
-        if self.fmt in ("fp32", "bf16"):
+        if self.fmt in ("fp32", "bf16") and self.tensors[0].dim() == 2:
             return F.linear(x, self.tensors[0].to(x.dtype), self.bias)
         if self._long is None:
-            self._long = dequantize(self.fmt, self.tensors)
+            self._long = self.weight  # made once: the plain or dequantized weight
         return F.linear(x, self._long.to(x.dtype), self.bias)
 
 
 def serves(linear: torch.nn.Module) -> bool:
     """A plain nn.Linear on a CPU whose input width the kernel reads (a multiple of 64)."""
-    return (type(linear) is torch.nn.Linear and linear.weight.device.type == "cpu"
-            and linear.in_features % ALIGN == 0 and linear.in_features <= 8192)
+    return type(linear) is torch.nn.Linear and serves_weight(linear)
+
+
+def serves_weight(linear: torch.nn.Linear) -> bool:
+    """`serves`, for a linear of any class: on a CPU, an input width the kernel reads."""
+    return linear.weight.device.type == "cpu" and linear.in_features % ALIGN == 0 and linear.in_features <= 8192
 
 
 def refuses(model: torch.nn.Module) -> str | None:
@@ -411,8 +451,8 @@ def timings(model: torch.nn.Module, rounds: int = 3) -> list[dict]:
     with torch.inference_mode():
         for shape, mods in by_shape.items():
             mods = mods[:SWEEP_LINEARS]
-            fmt, dtype = mods[0].fmt, torch.bfloat16 if mods[0].fmt == "bf16" else torch.float32
-            floats = [m.tensors[0] if fmt in ("fp32", "bf16") else dequantize(fmt, m.tensors) for m in mods]
+            dtype = torch.bfloat16 if mods[0].fmt == "bf16" else torch.float32
+            floats = [m.weight for m in mods]
             for rows in TIMED_ROWS:
                 x = torch.randn(rows, mods[0].in_features, generator=gen).to(dtype)
                 ms: dict[str, list[float]] = {"rowdot": [], "stock": []}

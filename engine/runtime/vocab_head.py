@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
-from engine.runtime import int8_kernel
+from engine.runtime import int8_kernel, rowdot
 from engine.runtime.draft_model import quantize_rows
 
 RANK_FILE = Path(__file__).resolve().parents[1] / "data" / "vocab_rank.safetensors"
@@ -69,6 +69,9 @@ class SubHead:
     # (int8 rows [K, H], bf16 scales [K]) where the draft reads int8 (engine/runtime/int8_kernel.py):
     # scoring one row reads every weight once, so half the bytes is most of half the time.
     int8: tuple[torch.Tensor, torch.Tensor] | None = None
+    # the rows read through the row-invariant kernels (engine/runtime/rowdot.py) where the draft's
+    # body is: bf16 in AMX tiles or fp32, the head's own values, streamed once a scoring
+    row: torch.nn.Module | None = None
 
     @property
     def size(self) -> int:
@@ -77,6 +80,8 @@ class SubHead:
     def logits(self, h: torch.Tensor) -> torch.Tensor:
         """h [1, H] (one contiguous row) → [1, K] float32. One row is a gemv (or the int8 kernel's
         one-row product), the same kernel whatever read produced h (the draft's row invariance)."""
+        if self.row is not None:
+            return self.row(h.float())  # fp32 in, fp32 out: no rounding of the scores to bf16
         if self.int8 is not None:
             return int8_kernel.matmul(h.to(self.int8[1].dtype), self.int8).float()
         return torch.mv(self.weight, h[0].to(self.weight.dtype)).float()[None]
@@ -90,12 +95,19 @@ class SubHead:
 
 
 def build(head_weight: torch.Tensor, k: int, vocab: int, eos_ids, ranking: torch.Tensor | None = None,
-          int8: bool = False) -> SubHead:
+          int8: bool = False, row: bool = False) -> SubHead:
     """The size-K sub-head of `head_weight` [≥V, H] (the draft's tied LM head); int8: its rows
-    also as int8 for the int8 kernel, where that serves (a draft that reads its body in int8)."""
+    also as int8 for the int8 kernel, where that serves (a draft that reads its body in int8);
+    row: read through the row-invariant kernels, where they serve (a draft whose body does)."""
     ids = choose_ids(load_ranking() if ranking is None else ranking, k, vocab, eos_ids).to(head_weight.device)
     d2t, t2d = maps(ids, vocab)
     weight = head_weight.detach()[ids].contiguous()
+    fmt = {torch.float32: "fp32", torch.bfloat16: "bf16"}.get(weight.dtype)
+    if row and fmt is not None and rowdot.unavailable() is None:
+        lin = torch.nn.Linear(weight.shape[1], k, bias=False, device="meta")
+        lin.weight = torch.nn.Parameter(weight, requires_grad=False)
+        if rowdot.serves_weight(lin):
+            return SubHead(ids, d2t, t2d, weight, row=rowdot.RowLinear(lin, fmt))
     rows = None
     if int8 and int8_kernel.serves(weight.device, weight.dtype, weight.shape[1]):
         rows = int8_kernel.pack(*quantize_rows(weight), weight.dtype)
@@ -107,5 +119,6 @@ def sub_head(pair, k: int) -> SubHead:
     heads = pair.vocab_heads
     if k not in heads:
         int8 = any(hasattr(m, "speclab_int8") for m in pair.draft.modules())  # its body reads int8
-        heads[k] = build(pair.draft.get_output_embeddings().weight, k, pair.vocab_size, pair.eos_ids, int8=int8)
+        row = any(isinstance(m, rowdot.RowLinear) for m in pair.draft.modules())  # its body reads the kernels
+        heads[k] = build(pair.draft.get_output_embeddings().weight, k, pair.vocab_size, pair.eos_ids, int8=int8, row=row)
     return heads[k]

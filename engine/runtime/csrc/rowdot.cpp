@@ -9,8 +9,9 @@
 // same operations in the same order whatever the row count or the thread count: its weight row at
 // fp32 (the format's dequantization), four 16-lane FMA chains over k in order, a fixed tree over
 // chains and lanes (`tile`, `gemm_tile`, `tile_q4`; bf16 with AVX512-BF16: `gemm_tile_dp`). A
-// weight row is read once for up to `TILE` input rows. Compiled per machine (-march=native) by
-// engine/runtime/rowdot.py.
+// weight row is read once for up to `TILE` input rows. bf16 weights stored in AMX tiles take one
+// fp32 chain per element instead (`matmul_amx`), up to 16 input rows a pass. Compiled per machine
+// (-march=native) by engine/runtime/rowdot.py.
 #include <torch/library.h>
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -23,6 +24,11 @@
 #include <vector>
 #if defined(__AVX2__) || defined(__AVX512F__)
 #include <immintrin.h>
+#endif
+#if defined(__AMX_BF16__) && defined(__AMX_TILE__) && defined(__linux__)
+#define ROWDOT_AMX 1
+#include <sys/syscall.h>
+#include <unistd.h>
 #endif
 
 typedef float v16 __attribute__((vector_size(64)));
@@ -220,16 +226,25 @@ struct Dp {  // bf16 inputs against bf16 weight rows
 #endif
 
 // A linear's weight as the kernel reads it: its format, bytes and (int8/int4) scales.
-enum Format { F32, BF16, I8, I4 };
+enum Format { F32, BF16, BF16T, I8, I4 };  // BF16T: bf16 in AMX tiles (`tiled_bf16`)
 struct Weight {
   Format fmt; const char* base; const float* aux; int64_t out, k, row_bytes;
 };
 
-// The tensors of a RowLinear (engine/runtime/rowdot.py): fp32 or bf16 [O, K]; int8 [O, K] and a
-// scale per row; 4 bits packed [O, K/2] and scale_min [O, K/32, 2].
+static bool amx_granted();
+
+// The tensors of a RowLinear (engine/runtime/rowdot.py): fp32 or bf16 [O, K]; bf16 tiled for AMX
+// [O/16, K/32, 16, 32]; int8 [O, K] and a scale per row; 4 bits packed [O, K/2] and scale_min
+// [O, K/32, 2].
 static Weight weight_of(at::TensorList t) {
-  TORCH_CHECK(!t.empty() && t[0].is_contiguous() && t[0].dim() == 2, "rowdot: a weight is one contiguous [O, K]");
+  TORCH_CHECK(!t.empty() && t[0].is_contiguous(), "rowdot: a weight is one contiguous tensor");
   const at::Tensor& w = t[0];
+  if (w.dim() == 4) {
+    TORCH_CHECK(w.scalar_type() == at::kBFloat16 && w.size(2) == 16 && w.size(3) == 32 && amx_granted(),
+                "rowdot: a tiled weight is bf16 [O/16, K/32, 16, 32], read where AMX is granted");
+    return {BF16T, (const char*)w.data_ptr(), nullptr, w.size(0) * 16, w.size(1) * 32, w.size(1) * 64};
+  }
+  TORCH_CHECK(w.dim() == 2, "rowdot: a weight is [O, K]");
   const int64_t o = w.size(0);
   switch (w.scalar_type()) {
     case at::kFloat: return {F32, (const char*)w.data_ptr(), nullptr, o, w.size(1), w.size(1) * 4};
@@ -368,6 +383,107 @@ static void matmul_as(const Weight& w, const float* x, int64_t m, float* y) {
            });
 }
 
+// x [n] (n a multiple of 16) at bf16 as c10::BFloat16 rounds it, for the bf16 dot products.
+static void to_bf16(const float* x, int64_t n, uint16_t* out) {
+  for (int64_t i = 0; i < n; i += 16) {
+    v16u u; std::memcpy(&u, x + i, 64);
+    const v16u16 b = __builtin_convertvector(bf16_bits(u), v16u16);
+    std::memcpy(out + i, &b, 32);
+  }
+}
+
+#ifdef ROWDOT_AMX
+// Where the CPU has AMX (Intel since Sapphire Rapids) and Linux grants this process the tile
+// state, a bf16 weight is stored in tiles (engine/runtime/rowdot.py `tiled`): 16 output rows × 32
+// inputs, 1 KB contiguous, row-block by row-block, so a read streams the weight in order. The
+// product is yᵀ = W · xᵀ: `tdpbf16ps` with A = a 16 × 32 tile of W, B = 16 input pairs of up to 16
+// input rows (x at bf16, pairs interleaved as the instruction takes them), C = 16 outputs × R
+// rows at fp32. Each output element is one fp32 chain over k in order, 32 inputs an instruction:
+// its arithmetic depends on neither R nor which rows share a tile, so a verify of up to 16 rows
+// costs about one pass over the weights, and a one-row plain step is the same code. Tiles 0–3 are
+// C (64 outputs), 4 is B, 5–7 take A in turn.
+static bool amx_granted() {
+  static const bool ok = syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XTILEDATA */) == 0;
+  return ok;
+}
+
+struct AmxTiles {  // this thread's tile configuration for R input rows; the state is released after
+  struct alignas(64) Config { uint8_t palette, start_row, pad[14]; uint16_t colsb[16]; uint8_t rows[16]; };
+  int r = 0;
+  void set(int rows) {
+    if (rows == r) return;
+    Config c{};
+    c.palette = 1;
+    for (int t = 0; t < 8; ++t) { c.rows[t] = 16; c.colsb[t] = t < 5 ? rows * 4 : 64; }
+    _tile_loadconfig(&c);
+    r = rows;
+  }
+  ~AmxTiles() { if (r) _tile_release(); }
+};
+
+// NJ ≤ 4 blocks of 16 output rows (w: the first block's tiles) against R ≤ 16 input rows (xp: [K/2,
+// R] bf16 pairs) → c [16 · NJ, R].
+template <int NJ>
+static void amx_blocks(const uint16_t* w, int64_t k, const uint32_t* xp, int r, float* c) {
+  _tile_zero(0);
+  if constexpr (NJ > 1) _tile_zero(1);
+  if constexpr (NJ > 2) _tile_zero(2);
+  if constexpr (NJ > 3) _tile_zero(3);
+  const int64_t block = 16 * k;  // one block of 16 rows, in elements
+  for (int64_t i = 0; i < k; i += 32) {
+    _tile_loadd(4, xp + (i / 2) * r, r * 4);
+    _tile_loadd(5, w + i * 16, 64);
+    _tile_dpbf16ps(0, 5, 4);
+    if constexpr (NJ > 1) { _tile_loadd(6, w + block + i * 16, 64); _tile_dpbf16ps(1, 6, 4); }
+    if constexpr (NJ > 2) { _tile_loadd(7, w + 2 * block + i * 16, 64); _tile_dpbf16ps(2, 7, 4); }
+    if constexpr (NJ > 3) { _tile_loadd(5, w + 3 * block + i * 16, 64); _tile_dpbf16ps(3, 5, 4); }
+  }
+  _tile_stored(0, c, r * 4);
+  if constexpr (NJ > 1) _tile_stored(1, c + 16 * r, r * 4);
+  if constexpr (NJ > 2) _tile_stored(2, c + 32 * r, r * 4);
+  if constexpr (NJ > 3) _tile_stored(3, c + 48 * r, r * 4);
+}
+
+static void matmul_amx(const Weight& w, const float* x, int64_t m, float* y) {
+  const int64_t k = w.k;
+  std::vector<uint16_t> xb(m * k);  // the input at bf16
+  to_bf16(x, m * k, xb.data());
+  std::vector<uint32_t> xp(m * k / 2);  // per 16 input rows from r0: [K/2, R] pairs, at r0 · K/2
+  for (int64_t r0 = 0; r0 < m; r0 += 16) {
+    const int64_t rn = std::min<int64_t>(16, m - r0);
+    for (int64_t r = 0; r < rn; ++r) {
+      const uint32_t* row = reinterpret_cast<const uint32_t*>(xb.data() + (r0 + r) * k);
+      for (int64_t p = 0; p < k / 2; ++p) xp[r0 * k / 2 + p * rn + r] = row[p];
+    }
+  }
+  const uint16_t* base = reinterpret_cast<const uint16_t*>(w.base);
+  at::parallel_for(0, w.out / 16, 4, [&](int64_t begin, int64_t end) {
+    AmxTiles tiles;
+    alignas(64) float c[64 * 16];
+    for (int64_t b = begin; b < end; b += 4) {  // b: a block of 16 output rows
+      const int nj = (int)std::min<int64_t>(4, end - b);
+      const uint16_t* wb = base + b * 16 * k;
+      for (int64_t r0 = 0; r0 < m; r0 += 16) {  // a prefill meets the blocks while they are in cache
+        const int rn = (int)std::min<int64_t>(16, m - r0);
+        tiles.set(rn);
+        const uint32_t* xr = xp.data() + r0 * k / 2;
+        switch (nj) {
+          case 4: amx_blocks<4>(wb, k, xr, rn, c); break;
+          case 3: amx_blocks<3>(wb, k, xr, rn, c); break;
+          case 2: amx_blocks<2>(wb, k, xr, rn, c); break;
+          default: amx_blocks<1>(wb, k, xr, rn, c);
+        }
+        for (int i = 0; i < 16 * nj; ++i)
+          for (int r = 0; r < rn; ++r) y[(r0 + r) * w.out + b * 16 + i] = c[i * rn + r];
+      }
+    }
+  });
+}
+#else
+static bool amx_granted() { return false; }
+static void matmul_amx(const Weight&, const float*, int64_t, float*) { TORCH_CHECK(false, "rowdot: no AMX here"); }
+#endif
+
 static void matmul(const Weight& w, const float* x, int64_t m, float* y) {
   TORCH_CHECK(w.k % 64 == 0 && w.k <= MAX_K, "rowdot: K must be a multiple of 64, at most ", MAX_K);
   switch (w.fmt) {
@@ -375,12 +491,8 @@ static void matmul(const Weight& w, const float* x, int64_t m, float* y) {
     case BF16:
 #ifdef __AVX512BF16__
     {
-      std::vector<uint16_t> xb(m * w.k);  // the input at bf16 (round to nearest even)
-      for (int64_t i = 0; i < m * w.k; i += 16) {  // k is a multiple of 64
-        v16u u; std::memcpy(&u, x + i, 64);
-        const v16u16 b = __builtin_convertvector(bf16_bits(u), v16u16);
-        std::memcpy(xb.data() + i, &b, 32);
-      }
+      std::vector<uint16_t> xb(m * w.k);  // the input at bf16 (k is a multiple of 64)
+      to_bf16(x, m * w.k, xb.data());
       each_row(w, m, [&](int64_t o, float*) { return reinterpret_cast<const uint16_t*>(w.base) + o * w.k; },
                [&](int64_t o, const uint16_t* const* rows, int64_t n, int64_t r0, int64_t r1, int64_t ahead) {
                  rows_against<Dp>(rows, n, xb.data() + r0 * w.k, w.k, r1 - r0, y + r0 * w.out + o, w.out, ahead);
@@ -390,6 +502,7 @@ static void matmul(const Weight& w, const float* x, int64_t m, float* y) {
 #else
       return matmul_as<BF16>(w, x, m, y);
 #endif
+    case BF16T: return matmul_amx(w, x, m, y);
     case I8: return matmul_as<I8>(w, x, m, y);
     case I4: return matmul_as<I4>(w, x, m, y);
   }
@@ -661,7 +774,10 @@ at::Tensor layer_post(const at::Tensor& x, const at::Tensor& q, const at::Tensor
   return as(xf, t);
 }
 
+bool amx() { return amx_granted(); }
+
 TORCH_LIBRARY(speclab_rowdot, m) {
+  m.def("amx() -> bool", amx);
   m.def("linear_f32(Tensor x, Tensor w) -> Tensor", linear_f32);
   m.def("linear_bf16(Tensor x, Tensor w) -> Tensor", linear_bf16);
   m.def("linear_int8(Tensor x, Tensor q, Tensor scale) -> Tensor", linear_int8);
