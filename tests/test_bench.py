@@ -124,6 +124,35 @@ def test_draft_bench_reports_what_the_issue_asks(tiny_dirs, eagle_tiny, monkeypa
     assert "headline" in bench_draft.format_report(res)
 
 
+def test_draft_bench_long_times_the_headline_settings_on_many_prompts(tiny_dirs, monkeypatch, capsys):
+    """--long: 50 held-out prompts a task at fp32 and bf16 exact, only what the headline intervals
+    need (ar, fixed γ with the draft, rakv) and HF generate, their exactness reference."""
+    import dataclasses
+    import json
+
+    import bench.draft as bench_draft
+    from engine.runtime.models import load_pair
+
+    seen, measure = {}, bench_draft.measure
+    monkeypatch.setattr(bench_draft, "measure", lambda load, settings, opts: seen.update(settings=settings, opts=opts)
+                        or {"exact_identical_to_hf_generate": 1.0})
+    assert bench_draft.main(["--long", "--json"]) == 0 and json.loads(capsys.readouterr().out)
+    opts = seen["opts"]
+    assert seen["settings"] == [("fp32", "auto"), ("bf16", "exact")] and opts.per_task == bench_draft.LONG_PER_TASK
+    assert not opts.sweep and opts.suffix_history == 0
+    target, draft = tiny_dirs
+    exact = {t: load_pair(str(target), str(draft), t, device="cpu", exact_verify=True) for t in ("fp32", "bf16")}
+    opts = dataclasses.replace(opts, per_task=2, max_new=6, cost_reps=1, calibrate_tokens=0, prompts=TINY_PROMPTS * 2,
+                               forward_reps=2, say=lambda m: None)  # the sweep off, on a tiny pair
+    res = measure(lambda tier, _: exact[tier], seen["settings"], opts)
+    for w in ("fp32", "bf16/exact"):
+        st = res["settings"][w]
+        assert set(st["tok_s"]) == {"ar", "fixed:4@draft", "rakv"} and all(v == 1.0 for v in st["identical_to_hf_generate"].values())
+        lo, hi = st["vs_ar_ci95"]["rakv"]
+        assert 0 < lo <= hi
+    assert set(res["tiers"]["fp32"]["hf_tok_s"]) == {"hf_generate"} and "ar_tok_s_one_rotation" not in res
+
+
 def test_controllers_bench_decision_against_sklearn_in_one_run():
     from bench import controllers
 

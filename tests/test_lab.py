@@ -372,6 +372,14 @@ def test_ratio_interval_narrows_with_prompts_and_pairs_them():
     lo64, hi64 = interval(64)
     assert lo64 < 1.2 < hi64 and hi64 - lo64 < hi8 - lo8 and hi64 - lo64 < 0.04
     assert speed_ratio(np.array([10.0]), np.array([1.0]), np.array([10.0]), np.array([2.0])) == 2.0
+    # Two tasks, 1.1× and 1.5×, 20 prompts each: a draw task by task keeps that mix, so the spread
+    # between the tasks stays out of the interval, which then holds only the noise within each.
+    task = np.arange(40) % 2
+    ms_b, tokens = np.full(40, 1000.0), np.full(40, 100.0)
+    ms_a = ms_b / np.where(task == 1, 1.5, 1.1) * rng.normal(1.0, 0.02, 40)
+    plain, strat = ratio_ci95(tokens, ms_a, tokens, ms_b), ratio_ci95(tokens, ms_a, tokens, ms_b, strata=task)
+    assert strat[0] < speed_ratio(tokens, ms_a, tokens, ms_b) < strat[1]
+    assert strat[1] - strat[0] < (plain[1] - plain[0]) / 3
     # The prompts an interval would need to be within ±3% (its width ∝ 1/√n).
     from engine.base.stats import prompts_for
 

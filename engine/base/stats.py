@@ -16,14 +16,24 @@ def speed_ratio(tokens_a: np.ndarray, ms_a: np.ndarray, tokens_b: np.ndarray, ms
     return float((tokens_a.sum() / ms_a.sum()) / (tokens_b.sum() / ms_b.sum()))
 
 
-def ratio_ci95(tokens_a, ms_a, tokens_b, ms_b, draws: int = BOOTSTRAP_DRAWS) -> tuple[float, float]:
+def ratio_ci95(tokens_a, ms_a, tokens_b, ms_b, draws: int = BOOTSTRAP_DRAWS, strata=None) -> tuple[float, float]:
     """The 95% percentile interval of `speed_ratio` over prompts drawn with replacement; each
     array holds one value per prompt, aligned (prompt i of A is prompt i of B: the pairing is
-    what makes the interval narrow, a prompt's own difficulty cancels in its ratio)."""
+    what makes the interval narrow, a prompt's own difficulty cancels in its ratio). strata: a
+    label per prompt (its task) where the sample holds a fixed number of each: each draw then
+    takes that many of each, as the sample was made, and the spread between tasks, which no draw
+    of the design could change, stays out of the interval."""
     arrays = [np.asarray(x, dtype=float) for x in (tokens_a, ms_a, tokens_b, ms_b)]
     n = len(arrays[0])
     assert n > 0 and all(len(x) == n for x in arrays), [len(x) for x in arrays]
-    idx = np.random.default_rng(SEED).integers(0, n, size=(draws, n))  # [draws, n]
+    rng = np.random.default_rng(SEED)
+    if strata is None:
+        idx = rng.integers(0, n, size=(draws, n))  # [draws, n]
+    else:
+        labels = np.asarray(list(strata))
+        assert len(labels) == n, (len(labels), n)
+        groups = [np.flatnonzero(labels == g) for g in dict.fromkeys(labels.tolist())]
+        idx = np.concatenate([g[rng.integers(0, len(g), size=(draws, len(g)))] for g in groups], axis=1)
     ta, ma, tb, mb = (x[idx].sum(axis=1) for x in arrays)  # [draws] each
     ratios = (ta / ma) / (tb / mb)
     lo, hi = np.percentile(ratios, [2.5, 97.5])
