@@ -208,7 +208,8 @@ KERNELS = "@kernels"  # an HF peer read through SpecLab's kernels instead of tor
 
 
 def hf_settings(opts: Options, tier: str = "fp32") -> list[str]:
-    if tier in opts.ar_tiers or not opts.sweep:  # HF has no CPU kernels of its own at these tiers: generate alone
+    # generate alone: at the ar tiers HF has no CPU kernels of its own; --long needs only its reference
+    if tier in opts.ar_tiers or not opts.sweep:
         return ["hf_generate"]
     # each HF assisted setting twice: as shipped (torch's linears, HF's modules) and like for like,
     # through the kernels SpecLab's runs read (the target's, and the draft's fused int8 body; HF

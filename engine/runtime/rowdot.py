@@ -159,8 +159,9 @@ def _load() -> str | None:
 
 @torch.inference_mode()
 def _not_row_invariant() -> str | None:
-    """The first format (or attention) whose rows, read 1…9 at a time, do not all round alike on
-    this build; None when every one does (a few milliseconds, once per process)."""
+    """The first format (AMX tiles included where they are read) or attention whose rows, read 1–6
+    or 16 at a time out of 20, do not all round alike on this build; None when every one does (a
+    few milliseconds, once per process)."""
     gen = torch.Generator().manual_seed(0)
     w = torch.randn(80, 128, generator=gen)
     x = torch.randn(20, 128, generator=gen)  # a read of 20 rows: more than one tile of every kind

@@ -226,7 +226,7 @@ struct Dp {  // bf16 inputs against bf16 weight rows
 #endif
 
 // A linear's weight as the kernel reads it: its format, bytes and (int8/int4) scales.
-enum Format { F32, BF16, BF16T, I8, I4 };  // BF16T: bf16 in AMX tiles (`tiled_bf16`)
+enum Format { F32, BF16, BF16T, I8, I4 };  // BF16T: bf16 in AMX tiles (rowdot.py `tiled`, read by `matmul_amx`)
 struct Weight {
   Format fmt; const char* base; const float* aux; int64_t out, k, row_bytes;
 };
