@@ -266,12 +266,17 @@ MIGRATIONS: list[str] = [
     ALTER TABLE costs ADD COLUMN spread DOUBLE;
     ALTER TABLE costs ADD COLUMN busy DOUBLE;
     """,
+    # 12: what ran the target: torch, or llama.cpp on a GGUF (runs before it: torch).
+    """
+    ALTER TABLE runs ADD COLUMN engine VARCHAR DEFAULT 'torch';
+    """,
 ]
 
 # Values filled in for a missing key, matching the column DEFAULTs above: inserts go BY
 # NAME with every column present, so a SQL DEFAULT alone would never apply.
 # A step's proposer defaults to the draft model's where it drafted, '' where not (store/rows.py).
-PY_DEFAULTS: dict[str, dict[str, object]] = {"runs": {"source": "speclab", "reused_tokens": 0, "prefix_hit": "off"},
+PY_DEFAULTS: dict[str, dict[str, object]] = {"runs": {"source": "speclab", "reused_tokens": 0, "prefix_hit": "off",
+                                                       "engine": "torch"},
                                               "traces": {"kv_tier": "native"},
                                               "costs": {"kv_tier": "native", "proposer": "draft"},
                                               "trace_positions": {"proposer": "draft"}}

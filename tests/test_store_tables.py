@@ -367,6 +367,7 @@ def test_version_1_file_migrates_and_keeps_its_runs(tmp_path: Path) -> None:
         assert old["policy"] == "fixed:4" and old["token_ids"] == [1, 2]
         assert old["source"] == "speclab" and old["sweep"] is None
         assert old["reused_tokens"] == 0 and old["prefix_hit"] == "off"  # migration 4: runs before prefix reuse
+        assert old["engine"] == "torch" and st.run("staged")["engine"] == "torch"  # migration 12: runs before llama.cpp
         assert st.run("staged")["source"] == "speclab"
         assert records(st.steps("old"))[0]["accepted"] == 0
         assert st.traces().empty and st.costs().empty and st.controllers().empty
@@ -374,7 +375,7 @@ def test_version_1_file_migrates_and_keeps_its_runs(tmp_path: Path) -> None:
     con = duckdb.connect(str(path), read_only=True)
     try:
         assert con.execute("SELECT schema_version FROM meta").fetchall() == [(SCHEMA_VERSION,)]
-        assert SCHEMA_VERSION == 11
+        assert SCHEMA_VERSION == 12
         cols = [r[0] for r in con.execute("SELECT column_name FROM information_schema.columns WHERE table_name = 'costs'").fetchall()]
         assert "step_factor" in cols  # migration 3: calibrated cost tables
         assert {"prefill_ms", "fill_ms"} <= set(cols)  # migration 4: the prefill, cold and from the prefix cache

@@ -8,13 +8,13 @@ from dataclasses import dataclass
 import streamlit as st
 
 from engine.base.helpers import default_db, one_line
-from engine.base.names import EMBEDDED_LABEL
+from engine.base.names import EMBEDDED_LABEL, ENGINES
 from engine.runtime.models import load_pair, resolve_device
 from engine.runtime.prefix_cache import PrefixCache, spilling
 from engine.service import SUFFIX_BUDGET, SuffixHistory
 
-_KEYS = {"target": "speclab_target", "draft": "speclab_draft", "db": "speclab_db"}
-_ENV = {"target": "SPECLAB_TARGET", "draft": "SPECLAB_DRAFT"}
+_KEYS = {"target": "speclab_target", "draft": "speclab_draft", "db": "speclab_db", "engine": "speclab_engine"}
+_ENV = {"target": "SPECLAB_TARGET", "draft": "SPECLAB_DRAFT", "engine": "SPECLAB_ENGINE"}
 
 
 @dataclass(frozen=True)
@@ -22,6 +22,7 @@ class Settings:
     target: str | None  # None = the embedded pair
     draft: str | None  # None = the engine's default draft for the target
     db: str
+    engine: str = "torch"  # what runs the target: torch, or llama.cpp on a GGUF (its tiers are formats)
 
 
 def _env(name: str) -> str:
@@ -43,6 +44,13 @@ def sidebar() -> None:
             help="Must share the target's tokenizer. Empty: the engine's default draft "
                  "(env SPECLAB_DRAFT).",
         )
+        env_engine = _env("engine") if _env("engine") in ENGINES else "torch"
+        st.selectbox(
+            "Engine", ENGINES, index=ENGINES.index(env_engine), key=_KEYS["engine"],
+            help="What runs the target: torch (transformers), or llamacpp (the target's GGUF through "
+                 "llama.cpp; its tiers are GGUF formats, its KV tiers llama.cpp's cache types). "
+                 "Env SPECLAB_ENGINE.",
+        )
         st.text_input(
             "Database", value=_env("db"), key=_KEYS["db"],
             help="DuckDB file that keeps every run (env SPECLAB_DB).",
@@ -59,8 +67,9 @@ def settings() -> Settings:
         v = st.session_state.get(_KEYS[name])
         return (_env(name) if v is None else v).strip()
 
+    engine = value("engine") or "torch"
     return Settings(target=value("target") or None, draft=value("draft") or None,
-                    db=value("db") or default_db())
+                    db=value("db") or default_db(), engine=engine if engine in ENGINES else "torch")
 
 
 def show_error(e: BaseException) -> None:
@@ -69,8 +78,8 @@ def show_error(e: BaseException) -> None:
 
 
 @st.cache_resource(show_spinner=False, max_entries=2)
-def _pair(target: str | None, draft: str | None, target_tier: str):
-    return load_pair(target, draft, target_tier=target_tier)
+def _pair(target: str | None, draft: str | None, target_tier: str, engine: str = "torch"):
+    return load_pair(target, draft, target_tier=target_tier, engine=engine)
 
 
 @st.cache_resource(show_spinner=False, max_entries=4)
@@ -96,8 +105,8 @@ def get_suffix_history(s: Settings) -> SuffixHistory:
 
 
 def get_pair(s: Settings, target_tier: str):
-    """The model pair, loaded once per (target, draft, target tier) for the whole process.
+    """The model pair, loaded once per (target, draft, target tier, engine) for the whole process.
     Raises the engine's ValueError for bad sources/tiers (errors are not cached)."""
-    label = f"{s.target or EMBEDDED_LABEL} + {s.draft or 'default draft'} ({target_tier})"
+    label = f"{s.target or EMBEDDED_LABEL} + {s.draft or 'default draft'} ({target_tier}, {s.engine})"
     with st.spinner(f"Loading {label}…"):
-        return _pair(s.target, s.draft, target_tier)
+        return _pair(s.target, s.draft, target_tier, s.engine)

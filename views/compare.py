@@ -11,7 +11,7 @@ import pandas as pd
 import plotly.graph_objects as go
 import streamlit as st
 
-from engine.base.names import KV_TIERS, WEIGHT_TIERS
+from engine.base.names import tiers_of
 from engine.datasets.prompts import WORKBENCH_PROMPT
 from engine.decode.policies import DEFAULT_POLICY, POLICY_EXAMPLES, parse_policy
 from engine.lab import side_by_side as C
@@ -50,8 +50,11 @@ def inputs() -> tuple[bool, dict]:
                                   key="compare_policies", help="Run one after another on each prompt; "
                                   "`@proposer` drafts with that proposer only, rakv chooses among all")
         c1, c2, c3, c4, c5 = st.columns(5)
-        tier = c1.selectbox("Target tier", WEIGHT_TIERS, key="compare_tier")
-        kv_tier = c2.selectbox("KV tier", KV_TIERS, key="compare_kv_tier")
+        engine = settings().engine
+        tiers, kv_tiers = tiers_of(engine)
+        own = "_llamacpp" if engine == "llamacpp" else ""  # its own keys: a torch tier is not a GGUF format
+        tier = c1.selectbox("Target tier", tiers, key="compare_tier" + own)
+        kv_tier = c2.selectbox("KV tier", kv_tiers, key="compare_kv_tier" + own)
         max_new = c3.number_input("Max new tokens", min_value=1, max_value=8192, value=48, step=16,
                                   key="compare_max_new")
         temperature = c4.number_input("Temperature", min_value=0.0, max_value=5.0, value=0.0, step=0.1,
@@ -88,7 +91,7 @@ def run_compare(inp: dict) -> dict | None:
         req = C.shared_seed(Request("", chat=inp["chat"], max_new_tokens=inp["max_new_tokens"],
                                     temperature=inp["temperature"], seed=inp["seed"], kv_tier=inp["kv_tier"],
                                     reuse=False, label=label))
-        check(req)  # a bad value fails before any model loads
+        check(req, s.engine)  # a bad value fails before any model loads
         pair = get_pair(s, inp["tier"])
         st.session_state[PROPOSERS_KEY] = C.proposers_of(pair)
         longest = max(len(encode_prompt(pair.tokenizer, p, inp["chat"])) for p in prompts)
@@ -121,7 +124,7 @@ def run_compare(inp: dict) -> dict | None:
         results=results, label=label, greedy=C.greedy(results), seed=req.seed, saved=_saved_line(saved),
         diffs=C.output_differences(results, lambda ids: tok.decode(ids, skip_special_tokens=False)),
         outputs={(r.prompt_index, r.policy): r.row["output"] for r in results},
-        prompts=prompts, policies=specs,
+        prompts=prompts, policies=specs, engine=pair.engine,
         setting=f"{pair.target_name} ({pair.target_tier}, KV {inp['kv_tier']}) ← {pair.draft_name} · {pair.device}",
     )
 
@@ -142,9 +145,10 @@ def gamma_figure(series: dict[str, tuple[list[int], list[int]]],
     return fig
 
 
-def show_difference(d: dict, greedy: bool, n_prompts: int) -> None:
-    """Greedy: the policies must agree ('identical'), else where they part. Sampling with one
-    seed: where they part and how far each is from the first policy."""
+def show_difference(d: dict, greedy: bool, n_prompts: int, engine: str = "torch") -> None:
+    """Greedy: the policies must agree ('identical'), else where they part (on llama.cpp, whose
+    batched read rounds otherwise than its one-token read, a measured divergence). Sampling with
+    one seed: where they part and how far each is from the first policy."""
     where = f"Prompt {d['prompt_index'] + 1}: " if n_prompts > 1 else ""
     if d["identical"]:
         st.success(f"{where}identical: all {len(d['policies'])} policies emitted the same "
@@ -152,7 +156,11 @@ def show_difference(d: dict, greedy: bool, n_prompts: int) -> None:
         return
     at = ", ".join(f"{p} {t!r}" if t is not None else f"{p} (ended)" for p, t in zip(d["policies"], d["token_text"]))
     line = f"{where}outputs differ first at token {d['position']}: {at}"
-    if greedy:  # exact speculative decoding must not change greedy output (bitsandbytes tiers excepted)
+    if greedy and engine == "llamacpp":
+        st.warning(line + " — llama.cpp scores a batched verify with other kernels than a plain step, so "
+                   "speculation there can change greedy output: put `ar` first to see each policy against "
+                   "llama.cpp's own decoding (`bench peers` counts it per format)")
+    elif greedy:  # exact speculative decoding must not change greedy output (bitsandbytes tiers excepted)
         st.warning(line + " — under greedy decoding they should not (see docs/architecture.md, Exactness)")
     else:
         st.info(line + " (sampling: the policies draw from the seed differently)")
@@ -187,7 +195,7 @@ def show_result(res: dict) -> None:
 
     st.subheader("Outputs")
     for d in res["diffs"]:
-        show_difference(d, res["greedy"], len(prompts))
+        show_difference(d, res["greedy"], len(prompts), res.get("engine", "torch"))
     cols = st.columns(len(res["policies"]))
     for col, policy in zip(cols, res["policies"]):
         col.caption(policy)

@@ -9,7 +9,7 @@ import json
 
 import streamlit as st
 
-from engine.base.names import KV_TIERS, WEIGHT_TIERS
+from engine.base.names import WEIGHT_TIERS, tiers_of
 from engine.service import latest_live_run, save_export, stored_exports
 from engine.service.export import describe_check, export_bundle, export_checks, vllm_fields
 from engine.service.export_dir import summary, write_export_dir
@@ -43,12 +43,14 @@ def _form(base: TunedConfig, target: str | None, draft: str | None) -> TunedConf
     c1, c2, c3, c4 = st.columns(4)
     policy = c1.text_input("Policy", value=base.policy, key="export_policy",
                            help="fixed:4, heuristic, threshold:0.4, rules, speckv, speckv-rf, rakv, ar, …")
-    target_tier = c2.selectbox("Target tier", WEIGHT_TIERS, index=WEIGHT_TIERS.index(base.target_tier),
-                               key="export_target_tier")
+    tiers_here, kv_here = tiers_of(base.engine)  # the run's engine: llama.cpp's are GGUF formats, cache types
+    own = "_llamacpp" if base.engine == "llamacpp" else ""
+    target_tier = c2.selectbox("Target tier", tiers_here, index=tiers_here.index(base.target_tier),
+                               key="export_target_tier" + own)
     tiers = (DEFAULT_TIER,) + WEIGHT_TIERS
     draft_tier = c3.selectbox("Draft tier", tiers, index=tiers.index(base.draft_tier or DEFAULT_TIER),
                               key="export_draft_tier")
-    kv_tier = c4.selectbox("KV tier", KV_TIERS, index=KV_TIERS.index(base.kv_tier), key="export_kv_tier")
+    kv_tier = c4.selectbox("KV tier", kv_here, index=kv_here.index(base.kv_tier), key="export_kv_tier" + own)
     c1, c2, c3, c4 = st.columns(4)
     gamma_min = c1.number_input("γ min", min_value=0, max_value=8, step=1, value=None, key="export_gamma_min",
                                 placeholder=f"{base.gamma_min} (from the policy)")
@@ -72,7 +74,7 @@ def _form(base: TunedConfig, target: str | None, draft: str | None) -> TunedConf
     reuse = c1.checkbox("Prefix reuse", value=base.reuse, key="export_reuse")
     coded = c2.checkbox("Code KV windows", value=base.kv_coded, key="export_kv_coded")
     return TunedConfig(
-        target=target or "embedded", draft=draft, target_tier=target_tier,
+        target=target or "embedded", draft=draft, target_tier=target_tier, engine=base.engine,
         draft_tier=None if draft_tier == DEFAULT_TIER else draft_tier, kv_tier=kv_tier, policy=policy.strip(),
         controller_version=None if version is None else int(version),
         gamma_min=None if gamma_min is None else int(gamma_min), gamma_max=None if gamma_max is None else int(gamma_max),

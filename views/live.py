@@ -10,7 +10,7 @@ import plotly.graph_objects as go
 import streamlit as st
 from plotly.subplots import make_subplots
 
-from engine.base.names import KV_TIERS, WEIGHT_TIERS
+from engine.base.names import tiers_of
 from engine.datasets.prompts import WORKBENCH_PROMPT
 from engine.decode.policies import DEFAULT_POLICY, POLICY_EXAMPLES
 from engine.decode.records import PROPOSER_NAMES
@@ -155,8 +155,12 @@ def inputs() -> tuple[bool, dict]:
                                    "choose among all the pair has); a typed spec on the right overrides it")
         typed = c2.text_input("…or any policy spec", key="live_policy_spec",
                               placeholder="e.g. fixed:6, threshold:0.3, fixed:3@ngram:max=3,min=2")
-        tier = c3.selectbox("Target tier", WEIGHT_TIERS, key="live_tier",
-                            help="Target weight tier. fp16 needs CUDA; int8/nf4 use bitsandbytes.")
+        engine = settings().engine
+        tiers, kv_tiers = tiers_of(engine)
+        llama = engine == "llamacpp"  # its own keys: a torch tier is not a GGUF format
+        tier = c3.selectbox("Target tier", tiers, key="live_tier" + ("_llamacpp" if llama else ""),
+                            help="GGUF format on llama.cpp (q4_1 as shipped; others converted once)" if llama else
+                            "Target weight tier. fp16 needs CUDA; int8/nf4 use bitsandbytes.")
         c1, c2, c3, c4 = st.columns(4)
         # No min/max on the widget: out of range it only turns red; the request says why instead.
         max_new = c1.number_input("Max new tokens", value=64, step=16, key="live_max_new")
@@ -174,9 +178,10 @@ def inputs() -> tuple[bool, dict]:
                                  "(RAKV-ASD's cache); off recomputes the whole prompt")
         budget = c3.number_input("Prefix cache budget (MiB)", min_value=1, max_value=65536, value=512, step=64,
                                  key="live_prefix_budget", help="Least recently used entries leave first")
-        kv_tier = c4.selectbox("KV tier", KV_TIERS, key="live_kv_tier",
-                               help="How the target's KV cache stores each token: native (the model's dtype), "
-                                    "fp8 (e4m3 × a power of two per token and head), int8 (× a bf16 scale)")
+        kv_tier = c4.selectbox("KV tier", kv_tiers, key="live_kv_tier" + ("_llamacpp" if llama else ""),
+                               help="llama.cpp's cache type: native (f16), q8_0, q4_0" if llama else
+                               "How the target's KV cache stores each token: native (the model's dtype), "
+                               "fp8 (e4m3 × a power of two per token and head), int8 (× a bf16 scale)")
         go_ = st.form_submit_button("Generate", type="primary", key="live_generate")
     return go_, dict(
         prompt=prompt, chat=chat, policy=(typed or "").strip() or chosen, typed=bool((typed or "").strip()),
@@ -201,7 +206,7 @@ def start(inp: dict) -> None:
     s = settings()
     try:
         req = request_of(inp)
-        check(req)  # fail fast on a bad spec, before loading any model
+        check(req, s.engine)  # fail fast on a bad spec, before loading any model
         pair = get_pair(s, inp["tier"])
         st.session_state[PROPOSERS_KEY] = proposers_of(pair)
         prefix = get_prefix_cache(s, inp["tier"], inp["budget_mib"])

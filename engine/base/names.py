@@ -15,6 +15,17 @@ DATA_DIR = Path(__file__).resolve().parents[1] / "data"
 WEIGHT_TIERS = ("fp32", "bf16", "fp16", "int8", "int4", "nf4")
 # Target KV-cache tiers (runtime/kv/tiers.py): the model's dtype, e4m3 × 2^e, int8 × a bf16 scale.
 KV_TIERS = ("native", "fp8", "int8")
+# What runs the target: transformers in torch, or llama.cpp on a GGUF (engine/runtime/llamacpp.py).
+ENGINES = ("torch", "llamacpp")
+# The llama.cpp engine's target tiers are GGUF weight formats (q4_1: the embedded file as shipped)
+# and its KV tiers llama.cpp's cache types ("native": f16).
+GGUF_FORMATS = ("q4_1", "q8_0", "bf16", "f32")
+GGUF_KV_TIERS = ("native", "q8_0", "q4_0")
+
+
+def tiers_of(engine: str) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """(target tiers, KV tiers) of a target on `engine`."""
+    return (GGUF_FORMATS, GGUF_KV_TIERS) if engine == "llamacpp" else (WEIGHT_TIERS, KV_TIERS)
 
 EMBEDDED = "embedded"  # the name users type for the default pair
 EMBEDDED_LABEL = "SmolLM2-135M-Instruct"  # the embedded target's name in the store and the pages

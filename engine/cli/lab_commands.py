@@ -20,7 +20,7 @@ def cmd_kernels(a: argparse.Namespace) -> int:
     from engine.service.kernels import kernel_report
 
     out = []
-    for pair in pairs(a, parse_tiers(a.tiers)):
+    for pair in pairs(a, parse_tiers(a.tiers, a.engine)):
         rep = dict(target_tier=pair.target_tier, **kernel_report(pair))
         out.append(rep)
         if a.json:
@@ -60,7 +60,7 @@ def cmd_costs(a: argparse.Namespace) -> int:
     from engine.service import calibrate_costs, cost_key, parse_kv_tiers, parse_tiers
     from store import Store
 
-    tiers, kv_tiers = parse_tiers(a.tiers), parse_kv_tiers(a.kv_tiers)
+    tiers, kv_tiers = parse_tiers(a.tiers, a.engine), parse_kv_tiers(a.kv_tiers, a.engine)
     try:
         buckets = tuple(int(b) for b in csv_list(a.buckets))
     except ValueError:
@@ -107,7 +107,8 @@ def cmd_trace(a: argparse.Namespace) -> int:
     from engine.service import parse_kv_tiers, parse_tiers, prompt_set, trace_prompts
     from store import Store
 
-    tiers, kv_tiers, prompts = parse_tiers(a.tiers), parse_kv_tiers(a.kv_tiers), prompt_set(a.prompts, a.per_task)
+    tiers, kv_tiers = parse_tiers(a.tiers, a.engine), parse_kv_tiers(a.kv_tiers, a.engine)
+    prompts = prompt_set(a.prompts, a.per_task)
     if a.max_new_tokens < 2:
         raise ValueError("--max-new-tokens must be ≥ 2 for a trace to have a position")
     made = 0
@@ -133,9 +134,10 @@ def cmd_whatif(a: argparse.Namespace) -> int:
     from engine.service import parse_kv_tiers, parse_tiers, replay_rows
     from store import Store
 
-    kv_tiers = parse_kv_tiers(a.kv_tiers) if a.kv_tiers else None
+    kv_tiers = parse_kv_tiers(a.kv_tiers, None) if a.kv_tiers else None  # stored traces: any engine's tiers
     with Store(a.db, read_only=True) as st:
-        rows = replay_rows(st, split_policies(a.policies), parse_tiers(a.tiers) if a.tiers else None, a.by, kv_tiers)
+        rows = replay_rows(st, split_policies(a.policies), parse_tiers(a.tiers, None) if a.tiers else None, a.by,
+                           kv_tiers)
     if a.json:
         print(json.dumps(rows))
         return 0
@@ -213,8 +215,8 @@ def cmd_profile(a: argparse.Namespace) -> int:
     from engine.service import format_sweep, parse_kv_tiers, parse_tiers, profile, prompt_set, sweep_table
     from store import Store
 
-    tiers, prompts, policies = parse_tiers(a.tiers), prompt_set(a.prompts, a.per_task), split_policies(a.policies)
-    kv_tiers = parse_kv_tiers(a.kv_tiers)
+    tiers, prompts, policies = parse_tiers(a.tiers, a.engine), prompt_set(a.prompts, a.per_task), split_policies(a.policies)
+    kv_tiers = parse_kv_tiers(a.kv_tiers, a.engine)
     for spec in policies:
         parse_policy(spec)  # a typo fails before any model loads
     with Store(a.db) as st:  # one read-write connection for the sweep; each run committed as it finishes

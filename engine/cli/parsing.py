@@ -10,7 +10,8 @@ from typing import Callable, Iterator
 from engine.service.options import exact_verify
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
-TIERS_ARG = ("--tiers", dict(default="fp32", help="comma-separated target tiers"))
+TIERS_ARG = ("--tiers", dict(default=None, help="comma-separated target tiers (default: fp32; q4_1 on "
+                                               "--engine llamacpp)"))
 JSON_ARG = ("--json", dict(action="store_true", help="print JSON instead of text"))
 PROMPTS_ARG = ("--prompts", dict(default="heldout", help="prompt set: heldout, bench or train"))
 
@@ -43,7 +44,7 @@ def load(a: argparse.Namespace, tier: str, progress: Callable[[str], None] = say
     from engine.runtime.models import load_pair
 
     return load_pair(a.target, a.draft, tier, a.draft_tier, a.device, a.trust_remote_code, progress=progress,
-                     exact_verify=exact_verify(a), eagle=getattr(a, "eagle", None))
+                     exact_verify=exact_verify(a), eagle=getattr(a, "eagle", None), engine=getattr(a, "engine", "torch"))
 
 
 def pairs(a: argparse.Namespace, tiers: list[str]) -> Iterator:

@@ -49,13 +49,14 @@ def cmd_generate(a: argparse.Namespace) -> int:
         _apply_config(a, _tuned(a, "generate"))
     req = Request(a.prompt, a.policy, a.chat, a.task, a.max_new_tokens, a.temperature, a.top_p, a.seed,
                   a.kv_tier, reuse=not a.no_reuse)
-    check(req)  # before loading models: a typo should fail in milliseconds
+    check(req, a.engine)  # before loading models: a typo should fail in milliseconds
     prefix = PrefixCache(int(a.prefix_budget * 2**20))  # a budget ≤ 0 fails here, before any model loads
     disk_budget = mib_to_bytes(a.prefix_disk_budget, "--prefix-disk-budget")  # likewise
     check_budget(a.suffix_budget, "--suffix-budget")
     open_or_fail(a.db)
     pair = load(a, a.target_tier, progress=lambda m: None)
-    if not a.no_reuse:  # one run a process: only the disk tier can hand this run an earlier run's prefix
+    # one run a process: only the disk tier can hand this run an earlier run's prefix (torch KV only)
+    if not a.no_reuse and pair.engine == "torch":
         prefix.disk = _prefix_disk(pair, a.prefix_dir, disk_budget)
     # speckv/rakv: costs and controller; a missing cost table is probed in seconds (measured after the run)
     gen = open_generation(pair, req, a.db, prefix=prefix, say=say, measure=False)
@@ -121,7 +122,8 @@ def _prefix_disk(pair, folder: str | None, budget: int):
 # The precedence of a file and flags is tuned_config.with_flags'.
 _TUNED_FLAGS: list[tuple[str, str, Callable]] = [
     ("target", "target", lambda v: v or "embedded"), ("draft", "draft", lambda v: v or None),
-    ("target_tier", "target_tier", str), ("draft_tier", "draft_tier", lambda v: v), ("kv_tier", "kv_tier", str),
+    ("engine", "engine", str), ("target_tier", "target_tier", lambda v: v), ("draft_tier", "draft_tier", lambda v: v),
+    ("kv_tier", "kv_tier", str),
     ("policy", "policy", str), ("controller_version", "controller_version", lambda v: v),
     ("gamma_min", "gamma_min", lambda v: v), ("gamma_max", "gamma_max", lambda v: v),
     ("kv_window", "kv_window", lambda v: v), ("kv_coded", "kv_coded", bool), ("no_reuse", "reuse", lambda v: not v),
@@ -154,6 +156,7 @@ def _apply_config(a: argparse.Namespace, cfg) -> None:
     """Puts a TunedConfig's values into `generate`'s arguments (the controller version pinned)."""
     a.target = None if cfg.target == "embedded" else cfg.target
     a.draft, a.target_tier, a.draft_tier, a.kv_tier = cfg.draft, cfg.target_tier, cfg.draft_tier, cfg.kv_tier
+    a.engine = cfg.engine
     a.policy, a.max_new_tokens, a.temperature, a.top_p = cfg.pinned_policy(), cfg.max_new_tokens, cfg.temperature, cfg.top_p
     a.seed, a.no_reuse, a.prefix_budget = cfg.seed, not cfg.reuse, cfg.prefix_budget_mib
 
@@ -166,7 +169,7 @@ CONFIG_SUFFIXES = (".json", ".yaml", ".yml")  # `export --out FILE` with one of 
          "self-contained directory (the config beside the draft it names, as a model that engine loads)",
          ("--config", dict(default=None, help="a SpecLab config to start from; flags set to other than their "
                            "defaults override it")),
-         ("--format", dict(default="json", choices=("json", "yaml", "hf", "vllm"))),
+         ("--format", dict(default="json", choices=("json", "yaml", "hf", "vllm", "llamacpp"))),
          ("--out", dict(default=None, metavar="DIR|FILE", help="DIR: a self-contained export directory (the config "
                         "in the engine's own form, the draft as a model it loads, a manifest of checksums); "
                         "FILE.json/.yaml: the config text alone")),
@@ -199,11 +202,17 @@ def cmd_export(a: argparse.Namespace) -> int:
     cfg = _tuned(a, "export")
     name = (a.name or "").strip() or default_name(cfg)
     directory = a.out is not None and Path(a.out).suffix.lower() not in CONFIG_SUFFIXES
+    made_by = f"python -m engine export --format {a.format} --policy {cfg.policy} --out {a.out}"
+    if directory and a.format == "llamacpp":
+        from engine.service.export_llamacpp import write_llamacpp_export
+
+        manifest = write_llamacpp_export(cfg, a.out, made_by)
+        print(f"{a.out}: llama.cpp ({manifest['engine_version']}): llama-server {' '.join(manifest['server_args'])}")
+        return 0
     if directory:
         from engine.service.export_dir import summary, write_export_dir
 
-        manifest = write_export_dir(cfg, a.format, a.out, made_by=f"python -m engine export --format {a.format} "
-                                    f"--policy {cfg.policy} --out {a.out}")
+        manifest = write_export_dir(cfg, a.format, a.out, made_by=made_by)
     if a.db:
         name, version, text = save_export(a.db, cfg, a.format, name)
         say(f"saved as {name} v{version} in {a.db}")
@@ -266,6 +275,9 @@ def cmd_divergence(a: argparse.Namespace) -> int:
     from engine.lab import divergence
     from engine.service import parse_tiers
 
+    if a.engine != "torch":
+        raise ValueError("divergence measures logit distances on the torch engine; on llama.cpp `bench peers` "
+                         "counts the prompts whose output differs from its own plain decoding")
     tiers = parse_tiers(a.tiers)
     make_policy(a.policy)
     prompts = [p for _, p in bench_prompts(a.prompts_per_task)]

@@ -24,11 +24,12 @@ SIGNALS = FEATURES[:4]
 # on the imported SpecKV file, controllers stored before KV tiers) keep loading and predicting.
 FEATURES_KV = FEATURES + ("kv_tier",)
 # The paper's encoding of the target's weight compression (fp16 0, int8 1, nf4 2); our float
-# tiers are all uncompressed weights.
-COMPRESSION = {"fp32": 0, "bf16": 0, "fp16": 0, "int8": 1, "nf4": 2}
+# tiers are all uncompressed weights, and the llama.cpp engine's GGUF formats code alike by bits.
+COMPRESSION = {"fp32": 0, "bf16": 0, "fp16": 0, "int8": 1, "nf4": 2, "f32": 0, "q8_0": 1, "q4_1": 2}
 # The KV tiers (base/names.py's KV_TIERS, in its order, which a test checks), coded by how lossy
-# they are.
+# they are; llama.cpp's q8_0 and q4_0 caches after them.
 KV_CODES = {"native": 0, "fp8": 1, "int8": 2}
+GGUF_KV_CODES = {"q8_0": 2, "q4_0": 3}
 CANDIDATES = (0, 1, 2, 4, 6, 8)  # the draft lengths a controller weighs; 0 = plain decoding
 PAPER_CANDIDATES = (2, 4, 6, 8)  # SpecKV's γ grid
 
@@ -42,9 +43,10 @@ def compression_code(tier: str) -> int:
 def kv_code(kv_tier: str | None) -> int:
     """The KV tier's feature value (None, a row stored before KV tiers: native)."""
     kv_tier = kv_tier if isinstance(kv_tier, str) else "native"
-    if kv_tier not in KV_CODES:
-        raise ValueError(f"unknown KV tier {kv_tier!r}; known: {', '.join(KV_CODES)}")
-    return KV_CODES[kv_tier]
+    codes = KV_CODES | GGUF_KV_CODES
+    if kv_tier not in codes:
+        raise ValueError(f"unknown KV tier {kv_tier!r}; known: {', '.join(codes)}")
+    return codes[kv_tier]
 
 
 @dataclass

@@ -9,15 +9,14 @@ from typing import Iterator
 
 import torch
 
+from engine.base.names import GGUF_KV_TIERS
 from engine.decode.policies import Policy
 from engine.decode.records import RunSummary, StepRecord
 from engine.decode.step import Setting, decode, summarize
-from engine.oracles import build, check_proposers
-from engine.oracles.model import TargetVerifier
+from engine.oracles import build, check_proposers, target_verifier
 from engine.oracles.sampling import Sampler
 from engine.oracles.suffix import SuffixHistory, prompt_key
 from engine.runtime.forward import WallClock
-from engine.runtime.kv.cache import held_bytes_per_token
 from engine.runtime.kv.calibration import CodecKit
 from engine.runtime.kv.offload import Offloaded, SlowTier
 from engine.runtime.kv.tiers import check_tier
@@ -34,14 +33,19 @@ class GenConfig:
     kv_tier: str = "native"  # the target's KV cache tier: native, fp8, int8 (engine/runtime/kv/tiers.py)
     reuse: bool = True  # take the longest stored prefix from the prefix cache (when a run has one)
 
-    def validate(self) -> None:
+    def validate(self, engine: str = "torch") -> None:
         if self.max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be ≥ 1, got {self.max_new_tokens}")
         if not (self.temperature >= 0 and math.isfinite(self.temperature)):
             raise ValueError(f"temperature must be a finite number ≥ 0, got {self.temperature}")
         if not 0 < self.top_p <= 1:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
-        check_tier(self.kv_tier)
+        if engine == "llamacpp":
+            if self.kv_tier not in GGUF_KV_TIERS:
+                raise ValueError(f"unknown KV tier {self.kv_tier!r} on the llama.cpp engine; known: "
+                                 f"{', '.join(GGUF_KV_TIERS)} (native: f16)")
+        else:
+            check_tier(self.kv_tier)
 
 
 def encode_prompt(tokenizer, prompt: str, chat: bool) -> list[int]:
@@ -81,10 +85,10 @@ class Generation:
     summary: RunSummary | None = field(init=False, default=None)
     kv_bytes_per_token: int | None = field(init=False, default=None)  # what the target's cache held, per token
     proposers: tuple[str, ...] = field(init=False, default=())  # the run's proposers (the policy's, or all the pair has)
-    _verifier: TargetVerifier | None = field(init=False, default=None, repr=False)
+    _verifier: object | None = field(init=False, default=None, repr=False)  # the run's target verifier
 
     def __post_init__(self) -> None:
-        self.cfg.validate()
+        self.cfg.validate(self.pair.engine)
         if not self.prompt_ids:
             raise ValueError("the prompt encodes to no tokens")
         if len(self.prompt_ids) >= self.pair.max_context:
@@ -101,7 +105,7 @@ class Generation:
         pair, cfg, n_prompt = self.pair, self.cfg, len(self.prompt_ids)
         sampler = Sampler(cfg.temperature, cfg.top_p, self.seed, pair.device)
         prefix = self.prefix if cfg.reuse else None
-        verifier = TargetVerifier(pair, self.prompt_ids, sampler, prefix, cfg.kv_tier)  # the draft's cache stays native
+        verifier = target_verifier(pair, self.prompt_ids, sampler, prefix, cfg.kv_tier)  # the draft's cache stays native
         self._verifier = verifier
         seen = self.history.snapshot() if self.history is not None else None  # what this run's proposals read
         proposers = build(pair, self.prompt_ids, sampler, verifier, self.proposers,
@@ -121,7 +125,7 @@ class Generation:
                 raise
             wall_ms = clock() - t_start
             verifier.ensure_cache()  # paused after its last token: the cache is still away
-            self.kv_bytes_per_token = held_bytes_per_token(verifier.cache)
+            self.kv_bytes_per_token = verifier.held_bytes_per_token()
             if prefix is not None:  # after the clock: storing is for the next request
                 draft = proposers.get("draft")
                 verifier.remember(draft.cache if draft is not None else None)
@@ -160,7 +164,7 @@ def run_row(gen: Generation, prompt: str, policy_spec: str, chat: bool, task: st
         tokens_per_s=s.tokens_per_s, ttft_ms=s.ttft_ms, wall_ms=s.wall_ms,
         tokens_per_step=s.tokens_per_step, mean_accepted=s.mean_accepted,
         acceptance_rate=s.acceptance_rate, stop_reason=s.stop_reason, error=None,
-        reused_tokens=s.reused_tokens, prefix_hit=s.prefix_hit,
+        reused_tokens=s.reused_tokens, prefix_hit=s.prefix_hit, engine=pair.engine,
         config=dict(asdict(cfg), seed=gen.seed, draft_tier=pair.draft_tier, n_prompt_tokens=len(gen.prompt_ids),
                     proposers=list(gen.proposers)),
     )

@@ -23,8 +23,8 @@ from engine.decode.policies import K_MAX, make_policy
 from engine.decode.records import UNBOUNDED, DraftToken
 from engine.lab.generation import GenConfig, Generation, encode_prompt
 from engine.lab.timing import SPREAD_LIMIT, MachineBusy, Neighbours, busy_limit, timed_medians
-from engine.oracles import PROPOSERS, available, build, draft_head
-from engine.oracles.model import DraftModelProposer, TargetVerifier, draft_read, target_reads
+from engine.oracles import PROPOSERS, available, build, draft_head, target_verifier
+from engine.oracles.model import DraftModelProposer, draft_read, target_reads
 from engine.oracles.sampling import Sampler, warp
 from engine.runtime.forward import crop_to, forward_logits, sync_device
 from engine.runtime.kv.cache import new_cache
@@ -57,7 +57,7 @@ def trace(pair: ModelPair, prompt: str, task: str | None = None, max_new_tokens:
     ids = encode_prompt(pair.tokenizer, prompt, chat)
     Generation(pair, ids, make_policy("ar"), GenConfig(max_new_tokens=max_new_tokens, kv_tier=kv_tier))  # checks them as a run does
     sampler = Sampler(0.0, 1.0, None, pair.device)
-    verifier = TargetVerifier(pair, ids, sampler, kv_tier=kv_tier)
+    verifier = target_verifier(pair, ids, sampler, kv_tier=kv_tier)
     seen = history.snapshot() if history is not None else None
     props = build(pair, ids, sampler, verifier, proposers, history=seen)
     # Plain decoding, as `ar` runs it: the same budget, the same target steps, so `out` is
@@ -108,6 +108,14 @@ def _position(p: int, name: str, lookahead: int, drafted: list[DraftToken], out:
 
 def _target_laws(pair, ids, out, temperature, kv_tier: str = "native") -> torch.Tensor:
     """q at every output position p (the law of out[p] given the prefix): [N, V]."""
+    if pair.engine == "llamacpp":
+        ctx = pair.target.lease(kv_tier)
+        try:
+            ctx.truncate(0)
+            logits = torch.from_numpy(ctx.read(ids + out[:-1], len(out))[:, : pair.vocab_size])
+        finally:
+            pair.target.release(ctx)
+        return warp(logits, temperature, 1.0)
     with target_reads(pair, kv_tier)():
         logits, _ = forward_logits(pair.target, ids + out[:-1], new_cache(pair.target, kv_tier), len(out), pair.vocab_size)
     return warp(logits, temperature, 1.0)
@@ -169,6 +177,9 @@ def _measure_costs(pair: ModelPair, buckets: tuple[int, ...], reps: int, progres
     head = draft_head(pair)
 
     def prefill(ids: list[int]) -> None:  # the target reads a prompt into an empty cache at the tier
+        if pair.engine == "llamacpp":  # a verifier's own prefill: it leases an emptied context
+            target_verifier(pair, ids, sampler, kv_tier=kv_tier).prefill()
+            return
         with reads():
             forward_logits(pair.target, ids, new_cache(pair.target, kv_tier), 1, pair.vocab_size)
 
@@ -205,8 +216,10 @@ def _measure_costs(pair: ModelPair, buckets: tuple[int, ...], reps: int, progres
         warm_read_ms.append(ms[K_MAX + 4] / K_MAX)
         for i, name in enumerate(others):
             other_ms[name].append(ms[K_MAX + 5 + 3 * i : K_MAX + 8 + 3 * i])
-    stored = kv_of(verifier.cache, buckets[-1])
-    fill_ms = median_ms(lambda: fill(new_cache(pair.target, kv_tier), stored, buckets[-1]), reps, WARMUP, sync) / buckets[-1]
+    fill_ms = None  # llama.cpp keeps no prefix cache: nothing is ever filled from one
+    if pair.engine == "torch":
+        stored = kv_of(verifier.cache, buckets[-1])
+        fill_ms = median_ms(lambda: fill(new_cache(pair.target, kv_tier), stored, buckets[-1]), reps, WARMUP, sync) / buckets[-1]
     return monotone(CostTable(list(buckets), draft_ms, verify_ms, _table_key(pair, kv_tier), prefill_ms=prefill_ms, fill_ms=fill_ms,
                               cold_read_ms=cold_read_ms, warm_read_ms=warm_read_ms,
                               proposer_costs={n: _draft_cost(per_bucket) for n, per_bucket in other_ms.items()},
@@ -258,7 +271,7 @@ class _Bucket:
         self.b = b
         self.ids = torch.randint(0, pair.vocab_size, (b + 1 + K_MAX,), generator=gen).tolist()
         self.proposer = DraftModelProposer(pair, self.ids[:b], sampler, head=head)
-        self.verifier = TargetVerifier(pair, self.ids[:b], sampler, kv_tier=kv_tier)
+        self.verifier = target_verifier(pair, self.ids[:b], sampler, kv_tier=kv_tier)
         self.verifier.prefill()
         self.verifier.rewind(b + 1)
         self.proposer.update(0, self.ids[b : b + 1])
@@ -290,7 +303,7 @@ class _Driven:
 
     def __init__(self, pair: ModelPair, name: str, ids: list[int], sampler: Sampler, kv_tier: str) -> None:
         self.pair, self.name, self.ids, self.sampler = pair, name, ids, sampler
-        self.verifier = TargetVerifier(pair, ids, sampler, kv_tier=kv_tier)
+        self.verifier = target_verifier(pair, ids, sampler, kv_tier=kv_tier)
         self.first = self.verifier.prefill()
         self._start()
 

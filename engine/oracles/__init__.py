@@ -83,6 +83,18 @@ def check_proposers(pair, names: tuple[str, ...] | None) -> tuple[str, ...]:
     return tuple(n for n in PROPOSERS if n in names)
 
 
+def target_verifier(pair, prompt_ids: list[int], sampler, prefix=None, kv_tier: str = "native"):
+    """The verifier of `pair`'s target on its engine: torch's (model.py, with the prefix cache) or
+    llama.cpp's (llama_target.py, which keeps none across requests)."""
+    if getattr(pair, "engine", "torch") == "llamacpp":
+        from engine.oracles.llama_target import LlamaTargetVerifier
+
+        return LlamaTargetVerifier(pair, prompt_ids, sampler, kv_tier)
+    from engine.oracles.model import TargetVerifier
+
+    return TargetVerifier(pair, prompt_ids, sampler, prefix, kv_tier)
+
+
 def build(pair, prompt_ids: list[int], sampler, verifier, names: tuple[str, ...] | None,
           options: dict[str, dict[str, str]] | None = None, history=None) -> dict:
     """name → Proposer for a run: `names` (None: every one the pair has), canonical order.

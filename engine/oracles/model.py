@@ -13,7 +13,7 @@ from engine.oracles.sampling import Sampler, draft_signals
 from engine.runtime import invariance
 from engine.runtime.eagle_head import Rows
 from engine.runtime.forward import crop_to, forward_last_state, forward_logits
-from engine.runtime.kv.cache import new_cache
+from engine.runtime.kv.cache import held_bytes_per_token, new_cache
 from engine.runtime.kv.calibration import CodecKit
 from engine.runtime.kv.offload import Offloaded, SlowTier, Timing, drop, offload, restore
 from engine.runtime.models import ModelPair
@@ -198,6 +198,10 @@ class TargetVerifier:
         d = draft_cache.get_seq_length() if draft_cache is not None else 0
         return self.prefix.put(Entry(self.key(), tuple(self.tokens[:n]), kv_of(self.cache, n), self.n_prompt,
                                      self._prompt_logits, kv_of(draft_cache, d) if d else None, d, self.kv_tier))
+
+    def held_bytes_per_token(self) -> int:
+        """What the target's cache holds per token at its KV tier."""
+        return held_bytes_per_token(self.cache)
 
     def offload(self, slow: SlowTier, window: int, kit: CodecKit | None = None, name: str = "gen") -> Offloaded:
         """Moves the target's cache to `slow` in windows of `window` tokens (coded with `kit`'s

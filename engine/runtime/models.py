@@ -18,6 +18,7 @@ from engine.base.names import (
     EMBEDDED_CACHE,
     EMBEDDED_GGUF,
     EMBEDDED_LABEL,
+    ENGINES,
     SHIPPED_DRAFT,
     SHIPPED_EAGLE,
     WEIGHT_TIERS,
@@ -63,13 +64,16 @@ class ModelPair:
     # an init field: a pair made by dataclasses.replace (another draft) starts with none.
     draft_vocab: int = 0  # the draft's LM head size when its spec names none (0: the full head; runtime/vocab_head.py)
     vocab_heads: dict = field(default_factory=dict, init=False, repr=False, compare=False)
+    # What runs the target: "torch" (a transformers model) or "llamacpp" (a GGUF through llama.cpp,
+    # engine/runtime/llamacpp.py; `target` is then its LlamaModel and `target_tier` its format).
+    engine: str = "torch"
 
     @property
     def target_row_invariant(self) -> bool:
         """At a lossy KV tier the target reads row-invariant (invariance.reads_row_invariant,
         probed at the first ask): speculative output then equals plain decoding at that tier
         whatever the verify's numerics."""
-        return invariance.reads_row_invariant(self.target)
+        return self.engine == "torch" and invariance.reads_row_invariant(self.target)
 
 
 def _quiet() -> None:
@@ -284,17 +288,30 @@ def _draft_source(target: str | None, draft: str | None, draft_tier: str | None,
 def load_pair(
     target: str | None = None,
     draft: str | None = None,
-    target_tier: str = "fp32",
+    target_tier: str | None = None,
     draft_tier: str | None = None,
     device: str | None = None,
     trust_remote_code: bool = False,
     progress: Callable[[str], None] = lambda msg: None,
     exact_verify: bool | None = None,
     eagle: str | None = None,
+    engine: str = "torch",
 ) -> ModelPair:
     """Target and draft on one device (`None`/"embedded": the embedded default), each made ready
     for its duty: the target's verify batch-invariant where its tier needs it, the draft's reads
-    row-invariant (engine/runtime/invariance.py; docs/architecture.md, "Exactness and invariance")."""
+    row-invariant (engine/runtime/invariance.py; docs/architecture.md, "Exactness and invariance").
+    `engine` "llamacpp": the target through llama.cpp, `target_tier` its GGUF format (load_llama_pair).
+    `target_tier` None: fp32 on torch, the GGUF as shipped (q4_1) on llama.cpp."""
+    if engine == "llamacpp":
+        target_tier = target_tier or "q4_1"
+        if device not in (None, "", "auto", "cpu"):
+            raise ValueError(f"the llama.cpp engine runs on the CPU here, not {device!r}")
+        if eagle not in (None, "", "off"):
+            raise ValueError("an EAGLE head reads the target's hidden states, which llama.cpp does not hand out")
+        return load_llama_pair(target, draft, target_tier, draft_tier, trust_remote_code, progress)
+    if engine not in ENGINES:
+        raise ValueError(f"unknown engine {engine!r}; known: {', '.join(ENGINES)}")
+    target_tier = target_tier or "fp32"
     dev = resolve_device(device)
     target_name = EMBEDDED_LABEL if target in (None, "", EMBEDDED) else target
     draft, draft_tier, draft_name, speclab_draft = _draft_source(target, draft, draft_tier, dev)
@@ -311,6 +328,27 @@ def load_pair(
     if not exact and not kernel_set:
         kernel_set = kernel_probe.make_verify_fast(t_model, progress)
     fast = rowdot.converted(t_model)[0] or verify_kernels.patched(t_model)
+    d_model, draft_rowinv, vocab = _draft_model(target, draft, draft_tier, draft_name, speclab_draft, dev, t_model,
+                                                tokenizer, t_model.config.get_text_config().vocab_size,
+                                                trust_remote_code, progress)
+    head, head_name = _eagle_head(target, eagle, t_model, dev, progress)
+    return ModelPair(
+        target=t_model, draft=d_model, tokenizer=tokenizer, device=dev, target_name=target_name,
+        draft_name=draft_name, target_tier=target_tier, draft_tier=draft_tier, vocab_size=vocab,
+        eos_ids=eos_ids_of(tokenizer, t_model),
+        max_context=int(getattr(t_model.config.get_text_config(), "max_position_embeddings", 1 << 30)),
+        exact_verify=exact, rowwise_linears=rowwise, fast_verify_linears=fast, kernel_set=kernel_set,
+        draft_row_invariant=draft_rowinv,
+        draft_vocab=EMBEDDED_DRAFT_VOCAB if speclab_draft and target in (None, "", EMBEDDED) else 0,
+        eagle=head, feature_tap=eaglelib.FeatureTap(t_model) if head is not None else None, eagle_name=head_name,
+    )
+
+
+def _draft_model(target: str | None, draft: str | None, draft_tier: str, draft_name: str, speclab_draft: bool,
+                 dev: torch.device, t_model, tokenizer, t_vocab: int, trust_remote_code: bool,
+                 progress) -> tuple[torch.nn.Module, bool, int]:
+    """(the draft, reads row-invariant?, the logit ids both models share), whichever engine runs
+    the target (`t_model` None on llama.cpp: a SpecLab draft's embedding comes from the files)."""
     progress(f"loading draft {draft_name} ({draft_tier})")
     if speclab_draft:  # it shares the target's tokenizer, embedding and LM head
         if draft_tier not in FLOAT_TIERS:
@@ -325,19 +363,62 @@ def load_pair(
     draft_rowinv = (dev.type == "cpu" and rowdot.convert_draft(d_model)) or invariance.make_row_invariant(d_model)
     if not draft_rowinv:  # it reads row by row, batch-invariant
         invariance.make_verify_exact(d_model)
-    vocab = check_vocab(tokenizer, d_tok, t_model.config.get_text_config().vocab_size,
-                        d_model.config.get_text_config().vocab_size, draft_name)
-    head, head_name = _eagle_head(target, eagle, t_model, dev, progress)
+    vocab = check_vocab(tokenizer, d_tok, t_vocab, d_model.config.get_text_config().vocab_size, draft_name)
+    return d_model, draft_rowinv, vocab
+
+
+def load_llama_pair(target: str | None = None, draft: str | None = None, fmt: str = "q4_1",
+                    draft_tier: str | None = None, trust_remote_code: bool = False,
+                    progress: Callable[[str], None] = lambda msg: None) -> ModelPair:
+    """The target through llama.cpp at GGUF format `fmt` (None/"embedded": the embedded model's
+    GGUF, else a .gguf file), the draft in torch on the CPU as on the torch engine. The load
+    settings come from a probe in a child process (engine/runtime/llamacpp.py)."""
+    from engine.runtime import llamacpp
+
+    llamacpp.check_format(fmt)
+    if (why := llamacpp.unavailable()) is not None:
+        raise ValueError(why)
+    embedded = target in (None, "", EMBEDDED)
+    source = _gguf_dir() / EMBEDDED_GGUF if embedded else Path(target)
+    if not embedded and (source.suffix != ".gguf" or not source.is_file()):
+        raise ValueError(f"the llama.cpp engine reads a .gguf file; {target!r} is not one")
+    head = llamacpp.check_llama_family(source)
+    if not embedded and (draft in (None, "") or draftlib.is_draft_dir(draft)):
+        raise ValueError("a GGUF target other than the embedded one needs --draft: a Hugging Face model sharing "
+                         "its vocabulary (a SpecLab draft reads the embedded target's embedding)")
+    dev = torch.device("cpu")
+    progress(f"llama.cpp: {source.name} at {fmt}")
+    path = llamacpp.gguf_at(source, fmt, cache_dir() / "gguf")
+    threads = torch.get_num_threads()
+    probe = llamacpp.probe(path, threads, cache_dir())
+    t_model = llamacpp.LlamaModel(path, fmt, threads, probe.extra_bufts)
+    if t_model.n_vocab != head["n_vocab"]:
+        raise ValueError(f"{path.name}: llama.cpp reads {t_model.n_vocab} tokens, the file lists {head['n_vocab']}")
+    tokenizer = load_tokenizer(None) if embedded else _gguf_tokenizer(source)
+    target_name = EMBEDDED_LABEL if embedded else source.name
+    draft, draft_tier, draft_name, speclab_draft = _draft_source(target if not embedded else None, draft, draft_tier, dev)
+    d_model, draft_rowinv, vocab = _draft_model(None if embedded else target, draft, draft_tier, draft_name,
+                                                speclab_draft, dev, None, tokenizer, t_model.n_vocab,
+                                                trust_remote_code, progress)
+    eos = frozenset(i for i in t_model.eog_ids() if i < vocab) | (
+        {tokenizer.eos_token_id} if isinstance(tokenizer.eos_token_id, int) else set())
+    kernels = f"llamacpp-{llamacpp.version()}" + ("-repack" if probe.extra_bufts else "")
     return ModelPair(
         target=t_model, draft=d_model, tokenizer=tokenizer, device=dev, target_name=target_name,
-        draft_name=draft_name, target_tier=target_tier, draft_tier=draft_tier, vocab_size=vocab,
-        eos_ids=eos_ids_of(tokenizer, t_model),
-        max_context=int(getattr(t_model.config.get_text_config(), "max_position_embeddings", 1 << 30)),
-        exact_verify=exact, rowwise_linears=rowwise, fast_verify_linears=fast, kernel_set=kernel_set,
-        draft_row_invariant=draft_rowinv,
-        draft_vocab=EMBEDDED_DRAFT_VOCAB if speclab_draft and target in (None, "", EMBEDDED) else 0,
-        eagle=head, feature_tap=eaglelib.FeatureTap(t_model) if head is not None else None, eagle_name=head_name,
+        draft_name=draft_name, target_tier=fmt, draft_tier=draft_tier, vocab_size=vocab, eos_ids=frozenset(eos),
+        max_context=t_model.n_ctx, exact_verify=False, kernel_set=kernels, draft_row_invariant=draft_rowinv,
+        draft_vocab=EMBEDDED_DRAFT_VOCAB if speclab_draft and embedded else 0, engine="llamacpp",
     )
+
+
+def _gguf_tokenizer(path: Path):
+    from transformers import AutoTokenizer
+
+    _quiet()
+    try:
+        return AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    except (OSError, ValueError, KeyError) as e:
+        raise ValueError(f"cannot read the tokenizer of {path.name} ({one_line(str(e), limit=200)})") from None
 
 
 def _row_invariant_kernels(model: torch.nn.Module, tier: str, dev: torch.device, progress) -> str:

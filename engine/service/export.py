@@ -22,7 +22,7 @@ from store import Store
 REPO_ROOT = DATA_DIR.parents[1]
 # The embedded target's shipped SpecLab draft as exports name it: relative to the repository.
 SHIPPED_DRAFT = SHIPPED_DRAFT_PATH.relative_to(REPO_ROOT).as_posix()
-FORMATS = ("json", "yaml", "hf", "vllm")
+FORMATS = ("json", "yaml", "hf", "vllm", "llamacpp")
 VLLM_FIELDS_FILE = DATA_DIR / "vllm_speculative_config_fields.json"
 # HF's own starting confidence threshold for dynamic speculation (GenerationConfig's default).
 HF_CONFIDENCE = 0.4
@@ -230,7 +230,7 @@ def named_path(path: Path) -> str:
 
 
 def render(cfg: TunedConfig, fmt: str) -> str:
-    """The export's text in one format (json, yaml, hf, vllm)."""
+    """The export's text in one format (json, yaml, hf, vllm, llamacpp)."""
     if fmt == "json":
         return to_json(cfg)
     if fmt == "yaml":
@@ -242,6 +242,10 @@ def render(cfg: TunedConfig, fmt: str) -> str:
         if spec is None:
             raise ValueError(f"policy {cfg.policy} never drafts: there is no vLLM speculative_config for it")
         return json.dumps(spec, indent=2) + "\n"
+    if fmt == "llamacpp":
+        from engine.service.export_llamacpp import render_llamacpp
+
+        return render_llamacpp(cfg)
     raise ValueError(f"unknown export format {fmt!r}; known: {', '.join(FORMATS)}")
 
 

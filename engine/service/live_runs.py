@@ -51,7 +51,7 @@ class LiveRun:
     """One generation of one session, on a daemon thread. Every method is safe from any thread."""
 
     def __init__(self, pair, req: Request, db: str, prefix=None, history=None) -> None:
-        check(req)  # a bad spec or setting fails here, in the page, before anything starts
+        check(req, pair.engine)  # a bad spec or setting fails here, in the page, before anything starts
         self.pair, self.req, self.db, self.prefix, self.history = pair, req, db, prefix, history
         self._lock = threading.Lock()
         self._stop = threading.Event()

@@ -4,14 +4,17 @@ from __future__ import annotations
 import argparse
 
 from engine.base.helpers import default_db
-from engine.base.names import WEIGHT_TIERS
+from engine.base.names import ENGINES, GGUF_FORMATS, WEIGHT_TIERS
 
 
 def add_model_args(p: argparse.ArgumentParser) -> None:
     """--target, --draft, their tiers, --device, --trust-remote-code."""
     p.add_argument("--target", default=None, help="HF id or local dir (default: the embedded model)")
     p.add_argument("--draft", default=None, help="HF id or local dir (default: the target's shipped draft, else itself at nf4)")
-    p.add_argument("--target-tier", default="fp32", choices=WEIGHT_TIERS)
+    p.add_argument("--engine", default="torch", choices=ENGINES,
+                   help="what runs the target: torch (transformers) or llamacpp (its GGUF through llama.cpp)")
+    p.add_argument("--target-tier", default=None, choices=WEIGHT_TIERS + tuple(f for f in GGUF_FORMATS if f not in WEIGHT_TIERS),
+                   help="torch: a weight tier (default fp32); llamacpp: a GGUF format (default q4_1, as shipped)")
     p.add_argument("--draft-tier", default=None, choices=WEIGHT_TIERS)
     p.add_argument("--device", default=None, help="cpu, cuda, cuda:N (default: CUDA if present)")
     p.add_argument("--trust-remote-code", action="store_true", help="run a model repo's own code")

@@ -41,13 +41,14 @@ class Request:
     sweep: str | None = None  # the profiling sweep the run belongs to
     label: str | None = None  # a comparison's name, kept in the run's config as `compare`
 
-    def config(self):
-        """The GenConfig of this request, checked (a bad value fails before any model work)."""
+    def config(self, engine: str = "torch"):
+        """The GenConfig of this request on `engine`, checked (a bad value fails before any model
+        work; the KV tiers are the engine's)."""
         from engine.lab.generation import GenConfig
 
         cfg = GenConfig(max_new_tokens=self.max_new_tokens, temperature=self.temperature, top_p=self.top_p,
                         seed=self.seed, kv_tier=self.kv_tier, reuse=self.reuse)
-        cfg.validate()
+        cfg.validate(engine)
         return cfg
 
 
@@ -61,14 +62,14 @@ class Kept:
     note: str = ""
 
 
-def check(req: Request) -> None:
+def check(req: Request, engine: str = "torch") -> None:
     """Everything about a request that can fail without a model, in milliseconds: the policy's
     spec (made, where it needs no context: `fixed:99` is refused here, not in a decode thread)
-    and the generation settings."""
+    and the generation settings on `engine`."""
     name, _ = parse_policy(req.policy)
     if name not in NEEDS_CONTEXT:
         make_policy(req.policy)
-    req.config()
+    req.config(engine)
 
 
 def open_generation(pair, req: Request, db: str | None = None, context: Any = AUTO, prefix=None,
@@ -83,7 +84,7 @@ def open_generation(pair, req: Request, db: str | None = None, context: Any = AU
     from engine.lab.generation import Generation, encode_prompt
 
     parse_policy(req.policy)  # check(req), keeping the config it makes
-    cfg = req.config()
+    cfg = req.config(pair.engine)
     ids = prompt_ids if prompt_ids is not None else encode_prompt(pair.tokenizer, req.prompt, req.chat)
     if context is AUTO:
         context = context_for(db or "", pair, req.policy, say, req.kv_tier, reach(len(ids), cfg.max_new_tokens),
@@ -130,7 +131,7 @@ def run_policies(pair, prompts: Sequence[str], policies: Sequence[str], req: Req
     for spec in specs:  # a bad spec or a missing controller fails before the first decode
         make_policy(spec, ctx_for(spec))
     req = shared_seed(req)
-    check(req)
+    check(req, pair.engine)
     out: list[Result] = []
     before = history.snapshot() if history is not None else None
     outputs: dict[str, list[int]] = {}  # prompt key → an output, fed after the comparison

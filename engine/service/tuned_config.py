@@ -14,7 +14,7 @@ from typing import Any, Mapping
 
 import yaml
 
-from engine.base.names import EMBEDDED, KV_TIERS, WEIGHT_TIERS
+from engine.base.names import EMBEDDED, ENGINES, WEIGHT_TIERS, tiers_of
 from engine.decode.policies import DEFAULT_POLICY, NEEDS_CONTEXT, make_policy, parse_policy
 from engine.decode.records import K_MAX
 
@@ -42,9 +42,10 @@ class TunedConfig:
     # Models: `generate` loads exactly this pair again.
     target: str = EMBEDDED  # HF id or local dir; "embedded" = the embedded SmolLM2 target
     draft: str | None = None  # HF id, local dir or SpecLab draft dir; None = the target's default draft
-    target_tier: str = "fp32"  # weight tier of the target: its numerics decide the output
+    target_tier: str | None = None  # the target's tier (its numerics decide the output); None = fp32, q4_1 on llama.cpp
     draft_tier: str | None = None  # weight tier of the draft; None = the loader's default for it
     kv_tier: str = "native"  # the target's KV cache tier (memory per token, costs are keyed by it)
+    engine: str = "torch"  # what runs the target: torch, or llamacpp (its tiers GGUF formats and cache types)
     # The γ policy and, for a learned one, which stored controller: a later retrain must not
     # silently change what an exported setting does.
     policy: str = DEFAULT_POLICY  # a policy spec (engine/decode/policies): fixed:4, rakv, speckv, ...
@@ -75,6 +76,9 @@ class TunedConfig:
             raise _FieldError("policy", str(e)) from None
         _check_policy_arg(self.policy, name, arg)
         self._fill("policy", self.policy.strip())
+        if self.engine not in ENGINES:
+            raise _FieldError("engine", f"unknown engine {self.engine!r}; known: {', '.join(ENGINES)}")
+        self._fill("target_tier", self.target_tier or ("q4_1" if self.engine == "llamacpp" else "fp32"))
         self._fill_controller(name, arg)
         lo, hi = default_gamma(name, arg)
         self._fill("gamma_min", lo if self.gamma_min is None else self.gamma_min)
@@ -129,8 +133,8 @@ _FIELDS = {f.name: f for f in dataclasses.fields(TunedConfig)}
 # field → (accepted Python types, how an error names them, may be None)
 _TYPES: dict[str, tuple[tuple[type, ...], str, bool]] = {
     "target": ((str,), "a string", False), "draft": ((str,), "a string", True),
-    "target_tier": ((str,), "a string", False), "draft_tier": ((str,), "a string", True),
-    "kv_tier": ((str,), "a string", False), "policy": ((str,), "a string", False),
+    "target_tier": ((str,), "a string", True), "draft_tier": ((str,), "a string", True),
+    "kv_tier": ((str,), "a string", False), "engine": ((str,), "a string", False), "policy": ((str,), "a string", False),
     "controller": ((str,), "a string", True), "controller_version": ((int,), "an integer", True),
     "gamma_min": ((int,), "an integer", True), "gamma_max": ((int,), "an integer", True),
     "kv_window": ((int,), "an integer", True), "kv_coded": ((bool,), "true or false", False),
@@ -186,12 +190,14 @@ def _check_values(cfg: TunedConfig, name: str, arg: str | None) -> None:
         raise _FieldError("target", f"must name a model (or {EMBEDDED!r})")
     if cfg.draft is not None and cfg.draft.strip() == "":
         raise _FieldError("draft", "must name a model, or be null for the target's default draft")
-    for tier in ("target_tier", "draft_tier"):
-        value = getattr(cfg, tier)
-        if value is not None and value not in WEIGHT_TIERS:
-            raise _FieldError(tier, f"unknown tier {value!r}; known: {', '.join(WEIGHT_TIERS)}")
-    if cfg.kv_tier not in KV_TIERS:
-        raise _FieldError("kv_tier", f"unknown KV tier {cfg.kv_tier!r}; known: {', '.join(KV_TIERS)}")
+    tiers, kv_tiers = tiers_of(cfg.engine)
+    on = "" if cfg.engine == "torch" else " on llama.cpp"
+    if cfg.target_tier not in tiers:
+        raise _FieldError("target_tier", f"unknown tier {cfg.target_tier!r}{on}; known: {', '.join(tiers)}")
+    if cfg.draft_tier is not None and cfg.draft_tier not in WEIGHT_TIERS:
+        raise _FieldError("draft_tier", f"unknown tier {cfg.draft_tier!r}; known: {', '.join(WEIGHT_TIERS)}")
+    if cfg.kv_tier not in kv_tiers:
+        raise _FieldError("kv_tier", f"unknown KV tier {cfg.kv_tier!r}{on}; known: {', '.join(kv_tiers)}")
     if cfg.controller_version is not None and cfg.controller_version < 1:
         raise _FieldError("controller_version", f"must be ≥ 1, got {cfg.controller_version}")
     lo, hi = cfg.gamma_min, cfg.gamma_max
@@ -303,7 +309,8 @@ def from_run(run: Mapping[str, Any], target: str | None, draft: str | None) -> T
         except ValueError:
             conf = None
     conf = conf if isinstance(conf, dict) else {}
-    base = TunedConfig(target=target or EMBEDDED, draft=draft or None)
+    engine = run.get("engine") if run.get("engine") in ENGINES else "torch"  # runs before engines: torch
+    base = TunedConfig(target=target or EMBEDDED, draft=draft or None, engine=engine)
     values = base.to_dict()
     picks = {"target_tier": run.get("target_tier"), "draft_tier": conf.get("draft_tier"),
              "kv_tier": run.get("kv_tier"), "policy": run.get("policy"), "reuse": conf.get("reuse"),
