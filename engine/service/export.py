@@ -16,7 +16,16 @@ from engine.base.names import DATA_DIR, EMBEDDED
 from engine.base.names import SHIPPED_DRAFT as SHIPPED_DRAFT_PATH
 from engine.decode.policies import parse_policy, split_spec
 from engine.service.runs import file_missing
-from engine.service.tuned_config import FIXED, PLAIN, TunedConfig, to_json, to_yaml
+from engine.service.tuned_config import (  # noqa: F401 - speculative_tokens: exports' callers read it here
+    FIXED,
+    NGRAM_DEFAULTS,
+    PLAIN,
+    TunedConfig,
+    first_proposer,
+    speculative_tokens,
+    to_json,
+    to_yaml,
+)
 from store import Store
 
 REPO_ROOT = DATA_DIR.parents[1]
@@ -110,25 +119,9 @@ def vllm_fields() -> dict[str, Any]:
     return json.loads(VLLM_FIELDS_FILE.read_text())
 
 
-def speculative_tokens(cfg: TunedConfig) -> int:
-    """Tokens drafted per step where an engine drafts a fixed number: fixed/joint:k give k, every
-    adaptive policy its γ cap (gamma_max)."""
-    name, arg = parse_policy(cfg.policy)
-    if name in PLAIN:
-        raise ValueError(f"policy {cfg.policy} never drafts: name a drafting policy (fixed:4, rakv, …)")
-    return int(arg or 4) if name in FIXED else cfg.gamma_max
-
-
 def vllm_proposer(cfg: TunedConfig) -> str:
-    """The proposer vLLM drafts with: vLLM runs one method per engine, so the first one the policy
-    spec names after '@', else the draft model."""
-    _, names, _ = split_spec(cfg.policy)
-    return names[0] if names else "draft"
-
-
-# NgramProposer's defaults (engine/oracles/ngram.py, torch-bound: tests/test_export.py checks them);
-# vLLM's own are 5 and 5.
-NGRAM_DEFAULTS = {"max": 3, "min": 1}
+    """The proposer vLLM drafts with: vLLM runs one method per engine (tuned_config.first_proposer)."""
+    return first_proposer(cfg)
 
 
 def _vllm_draft(cfg: TunedConfig, options: dict[str, str]) -> dict[str, Any]:

@@ -17,10 +17,9 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from engine.base.names import DATA_DIR, EMBEDDED, EMBEDDED_GGUF
+from engine.base.names import DATA_DIR, EMBEDDED, EMBEDDED_GGUF, SHIPPED_DRAFT
 from engine.decode.policies import split_spec
-from engine.service.export import NGRAM_DEFAULTS, draft_source, speculative_tokens, vllm_proposer
-from engine.service.tuned_config import TunedConfig
+from engine.service.tuned_config import NGRAM_DEFAULTS, TunedConfig, first_proposer, speculative_tokens
 
 FLAGS_FILE = DATA_DIR / "llamacpp_flags.json"
 CONFIG_FILE = "llamacpp.json"
@@ -52,7 +51,7 @@ def settings(cfg: TunedConfig) -> dict[str, Any]:
     """llama.cpp's speculative settings for `cfg`: the draft model's (n_max, n_min, p_min), or
     its n-gram lookup's (ngram-simple: the lookup n-gram and the drafted m-gram)."""
     k = speculative_tokens(cfg)
-    proposer = vllm_proposer(cfg)  # one method per engine, as vLLM: the first the spec names
+    proposer = first_proposer(cfg)
     if proposer == "ngram":
         o = {**NGRAM_DEFAULTS, **{key: int(v) for key, v in split_spec(cfg.policy)[2].get("ngram", {}).items()}}
         return {"type": "ngram-simple", "size_n": o["max"], "size_m": k, "min_hits": 1}
@@ -125,7 +124,7 @@ def write_draft_gguf(cfg: TunedConfig, out: Path) -> Path:
     from engine.runtime.models import cache_dir, embedded_dir
 
     target = _target_gguf(cfg)
-    source = Path(str(draft_source(cfg)))
+    source = Path(cfg.draft) if cfg.draft else SHIPPED_DRAFT
     if cfg.target != EMBEDDED:
         raise ValueError("the llama.cpp export writes the embedded target's SpecLab draft; pass a GGUF draft "
                          "of another target to llama.cpp as it is")

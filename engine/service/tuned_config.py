@@ -15,7 +15,7 @@ from typing import Any, Mapping
 import yaml
 
 from engine.base.names import EMBEDDED, ENGINES, WEIGHT_TIERS, tiers_of
-from engine.decode.policies import DEFAULT_POLICY, NEEDS_CONTEXT, make_policy, parse_policy
+from engine.decode.policies import DEFAULT_POLICY, NEEDS_CONTEXT, make_policy, parse_policy, split_spec
 from engine.decode.records import K_MAX
 
 FILE_FORMAT = "speclab-tuned-config/1"  # the "format" key of a SpecLab config file
@@ -171,6 +171,27 @@ def _check_policy_arg(spec: str, name: str, arg: str | None) -> None:
             raise ValueError(f"policy {name}:N takes a controller version N ≥ 1, got {arg!r}")
     except ValueError as e:
         raise _FieldError("policy", str(e)) from None
+
+
+def speculative_tokens(cfg: TunedConfig) -> int:
+    """Tokens drafted per step where an engine drafts a fixed number: fixed/joint:k give k, every
+    adaptive policy its γ cap (gamma_max)."""
+    name, arg = parse_policy(cfg.policy)
+    if name in PLAIN:
+        raise ValueError(f"policy {cfg.policy} never drafts: name a drafting policy (fixed:4, rakv, …)")
+    return int(arg or 4) if name in FIXED else cfg.gamma_max
+
+
+def first_proposer(cfg: TunedConfig) -> str:
+    """What an engine that runs one speculative method per engine (vLLM, llama.cpp) drafts with:
+    the first proposer the policy spec names after '@', else the draft model."""
+    _, names, _ = split_spec(cfg.policy)
+    return names[0] if names else "draft"
+
+
+# NgramProposer's defaults (engine/oracles/ngram.py, torch-bound: tests/test_export.py checks them);
+# vLLM's own are 5 and 5.
+NGRAM_DEFAULTS = {"max": 3, "min": 1}
 
 
 def default_gamma(name: str, arg: str | None) -> tuple[int, int]:
