@@ -23,9 +23,22 @@ GGUF_FORMATS = ("q4_1", "q8_0", "bf16", "f32")
 GGUF_KV_TIERS = ("native", "q8_0", "q4_0")
 
 
-def tiers_of(engine: str) -> tuple[tuple[str, ...], tuple[str, ...]]:
-    """(target tiers, KV tiers) of a target on `engine`."""
+def tiers_of(engine: str | None) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """(target tiers, KV tiers) of a target on `engine`, its default first; None: any engine's (as
+    stored runs and traces hold them)."""
+    if engine is None:
+        both = [tiers_of(e) for e in ENGINES]
+        return tuple(dict.fromkeys(t for w, _ in both for t in w)), tuple(dict.fromkeys(t for _, k in both for t in k))
     return (GGUF_FORMATS, GGUF_KV_TIERS) if engine == "llamacpp" else (WEIGHT_TIERS, KV_TIERS)
+
+
+def check_kv_tier(kv_tier: str, engine: str = "torch") -> str:
+    """`kv_tier` if `engine` has it; a one-line ValueError naming the engine's otherwise."""
+    known = tiers_of(engine)[1]
+    if kv_tier not in known:
+        on, note = (" on the llama.cpp engine", " (native: f16)") if engine == "llamacpp" else ("", "")
+        raise ValueError(f"unknown KV tier {kv_tier!r}{on}; known: {', '.join(known)}{note}")
+    return kv_tier
 
 EMBEDDED = "embedded"  # the name users type for the default pair
 EMBEDDED_LABEL = "SmolLM2-135M-Instruct"  # the embedded target's name in the store and the pages

@@ -9,7 +9,7 @@ from typing import Iterator
 
 import torch
 
-from engine.base.names import GGUF_KV_TIERS
+from engine.base.names import check_kv_tier
 from engine.decode.policies import Policy
 from engine.decode.records import RunSummary, StepRecord
 from engine.decode.step import Setting, decode, summarize
@@ -19,7 +19,6 @@ from engine.oracles.suffix import SuffixHistory, prompt_key
 from engine.runtime.forward import WallClock
 from engine.runtime.kv.calibration import CodecKit
 from engine.runtime.kv.offload import Offloaded, SlowTier
-from engine.runtime.kv.tiers import check_tier
 from engine.runtime.models import ModelPair, pair_device
 from engine.runtime.prefix_cache import PrefixCache
 
@@ -40,12 +39,7 @@ class GenConfig:
             raise ValueError(f"temperature must be a finite number ≥ 0, got {self.temperature}")
         if not 0 < self.top_p <= 1:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
-        if engine == "llamacpp":
-            if self.kv_tier not in GGUF_KV_TIERS:
-                raise ValueError(f"unknown KV tier {self.kv_tier!r} on the llama.cpp engine; known: "
-                                 f"{', '.join(GGUF_KV_TIERS)} (native: f16)")
-        else:
-            check_tier(self.kv_tier)
+        check_kv_tier(self.kv_tier, engine)
 
 
 def encode_prompt(tokenizer, prompt: str, chat: bool) -> list[int]:

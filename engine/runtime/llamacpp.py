@@ -36,7 +36,7 @@ POOL = 6
 # Tokens one decode call takes (llama.cpp's n_batch): a longer prompt is read in such chunks.
 N_BATCH = 512
 PROBE_TIMEOUT_S = 180.0
-PINNED = "0.3.36"  # requirements.txt's llama-cpp-python
+PINNED = "0.3.36"  # requirements-llama.txt's llama-cpp-python
 
 
 def unavailable() -> str | None:

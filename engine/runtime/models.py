@@ -22,6 +22,7 @@ from engine.base.names import (
     SHIPPED_DRAFT,
     SHIPPED_EAGLE,
     WEIGHT_TIERS,
+    tiers_of,
 )
 from engine.runtime import draft_model as draftlib
 from engine.runtime import eagle_head as eaglelib
@@ -302,16 +303,15 @@ def load_pair(
     row-invariant (engine/runtime/invariance.py; docs/architecture.md, "Exactness and invariance").
     `engine` "llamacpp": the target through llama.cpp, `target_tier` its GGUF format (load_llama_pair).
     `target_tier` None: fp32 on torch, the GGUF as shipped (q4_1) on llama.cpp."""
+    if engine not in ENGINES:
+        raise ValueError(f"unknown engine {engine!r}; known: {', '.join(ENGINES)}")
+    target_tier = target_tier or tiers_of(engine)[0][0]  # the engine's default: fp32, or the GGUF as shipped
     if engine == "llamacpp":
-        target_tier = target_tier or "q4_1"
         if device not in (None, "", "auto", "cpu"):
             raise ValueError(f"the llama.cpp engine runs on the CPU here, not {device!r}")
         if eagle not in (None, "", "off"):
             raise ValueError("an EAGLE head reads the target's hidden states, which llama.cpp does not hand out")
         return load_llama_pair(target, draft, target_tier, draft_tier, trust_remote_code, progress)
-    if engine not in ENGINES:
-        raise ValueError(f"unknown engine {engine!r}; known: {', '.join(ENGINES)}")
-    target_tier = target_tier or "fp32"
     dev = resolve_device(device)
     target_name = EMBEDDED_LABEL if target in (None, "", EMBEDDED) else target
     draft, draft_tier, draft_name, speclab_draft = _draft_source(target, draft, draft_tier, dev)

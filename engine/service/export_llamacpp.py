@@ -70,6 +70,7 @@ def server_args(s: dict[str, Any], target: str, draft: str | None) -> list[str]:
     else:
         args += ["--spec-type", s["type"], "--spec-ngram-simple-size-n", str(s["size_n"]),
                  "--spec-ngram-simple-size-m", str(s["size_m"]), "--spec-ngram-simple-min-hits", str(s["min_hits"])]
+    assert s["type"] in pinned_flags()["spec_types"], s  # settings() names only the build's own types
     check_flags(args)
     return args
 
@@ -169,10 +170,11 @@ def write_draft_gguf(cfg: TunedConfig, out: Path) -> Path:
     return out
 
 
-def _manifest(cfg: TunedConfig, draft: bool, made_by: str) -> dict[str, Any]:
+def _manifest(cfg: TunedConfig, s: dict[str, Any], made_by: str) -> dict[str, Any]:
+    """llamacpp.json for `cfg` and its settings `s`: with a draft GGUF where `s` drafts with the draft model."""
     from engine.runtime.llamacpp import version
 
-    s = settings(cfg)
+    draft = s["type"] == "draft-simple"
     target = _target_gguf(cfg)
     return {"engine": "llama.cpp", "engine_version": f"llama-cpp-python {version()}",
             "release": pinned_flags()["release"], "target": str(target), "target_format": cfg.target_tier,
@@ -183,7 +185,7 @@ def _manifest(cfg: TunedConfig, draft: bool, made_by: str) -> dict[str, Any]:
 
 def render_llamacpp(cfg: TunedConfig) -> str:
     """The settings and llama-server's arguments as text (`--out DIR` also writes the draft GGUF)."""
-    return json.dumps(_manifest(cfg, settings(cfg)["type"] == "draft-simple", ""), indent=2) + "\n"
+    return json.dumps(_manifest(cfg, settings(cfg), ""), indent=2) + "\n"
 
 
 def write_llamacpp_export(cfg: TunedConfig, out: str | Path, made_by: str = "") -> dict[str, Any]:
@@ -192,13 +194,13 @@ def write_llamacpp_export(cfg: TunedConfig, out: str | Path, made_by: str = "") 
     out = Path(out)
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise ValueError(f"{out} exists and is not an empty directory: name a new one")
-    draft = settings(cfg)["type"] == "draft-simple"
+    s = settings(cfg)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}-"))
     try:
-        if draft:
+        if s["type"] == "draft-simple":
             write_draft_gguf(cfg, tmp / DRAFT_FILE)
-        manifest = _manifest(cfg, draft, made_by)
+        manifest = _manifest(cfg, s, made_by)
         (tmp / CONFIG_FILE).write_text(json.dumps(manifest, indent=2) + "\n")
         if out.exists():
             out.rmdir()

@@ -5,7 +5,7 @@ import contextlib
 from typing import Any, Callable, ContextManager, Mapping
 
 from engine.base.helpers import csv_list
-from engine.base.names import ENGINES, tiers_of
+from engine.base.names import tiers_of
 from engine.base.stats import prompts_for, ratio_ci95
 from engine.decode.policies import NEEDS_CONTEXT, parse_policy, split_spec
 from engine.lab.whatif import tier_label
@@ -38,14 +38,13 @@ def _known(text: str, known: tuple[str, ...], what: str) -> list[str]:
 def parse_tiers(text: str | None, engine: str | None = "torch") -> list[str]:
     """Comma-separated target tiers of `engine` (None: of any engine, as stored runs and traces
     hold them), checked; None: its default (fp32; q4_1 on llama.cpp)."""
-    known = tiers_of(engine)[0] if engine else tuple(dict.fromkeys(t for e in ENGINES for t in tiers_of(e)[0]))
+    known = tiers_of(engine)[0]
     return _known(text or known[0], known, "tier")
 
 
 def parse_kv_tiers(text: str, engine: str | None = "torch") -> list[str]:
     """Comma-separated KV tiers of `engine` (torch: native, fp8, int8; None: any engine's), checked."""
-    known = tiers_of(engine)[1] if engine else tuple(dict.fromkeys(t for e in ENGINES for t in tiers_of(e)[1]))
-    return _known(text, known, "KV tier")
+    return _known(text, tiers_of(engine)[1], "KV tier")
 
 
 # -- traces and sweeps ---------------------------------------------------------------------------

@@ -14,7 +14,7 @@ from typing import Any, Mapping
 
 import yaml
 
-from engine.base.names import EMBEDDED, ENGINES, WEIGHT_TIERS, tiers_of
+from engine.base.names import EMBEDDED, ENGINES, WEIGHT_TIERS, check_kv_tier, tiers_of
 from engine.decode.policies import DEFAULT_POLICY, NEEDS_CONTEXT, make_policy, parse_policy, split_spec
 from engine.decode.records import K_MAX
 
@@ -78,7 +78,7 @@ class TunedConfig:
         self._fill("policy", self.policy.strip())
         if self.engine not in ENGINES:
             raise _FieldError("engine", f"unknown engine {self.engine!r}; known: {', '.join(ENGINES)}")
-        self._fill("target_tier", self.target_tier or ("q4_1" if self.engine == "llamacpp" else "fp32"))
+        self._fill("target_tier", self.target_tier or tiers_of(self.engine)[0][0])
         self._fill_controller(name, arg)
         lo, hi = default_gamma(name, arg)
         self._fill("gamma_min", lo if self.gamma_min is None else self.gamma_min)
@@ -211,14 +211,16 @@ def _check_values(cfg: TunedConfig, name: str, arg: str | None) -> None:
         raise _FieldError("target", f"must name a model (or {EMBEDDED!r})")
     if cfg.draft is not None and cfg.draft.strip() == "":
         raise _FieldError("draft", "must name a model, or be null for the target's default draft")
-    tiers, kv_tiers = tiers_of(cfg.engine)
+    tiers = tiers_of(cfg.engine)[0]
     on = "" if cfg.engine == "torch" else " on llama.cpp"
     if cfg.target_tier not in tiers:
         raise _FieldError("target_tier", f"unknown tier {cfg.target_tier!r}{on}; known: {', '.join(tiers)}")
     if cfg.draft_tier is not None and cfg.draft_tier not in WEIGHT_TIERS:
         raise _FieldError("draft_tier", f"unknown tier {cfg.draft_tier!r}; known: {', '.join(WEIGHT_TIERS)}")
-    if cfg.kv_tier not in kv_tiers:
-        raise _FieldError("kv_tier", f"unknown KV tier {cfg.kv_tier!r}{on}; known: {', '.join(kv_tiers)}")
+    try:
+        check_kv_tier(cfg.kv_tier, cfg.engine)
+    except ValueError as e:
+        raise _FieldError("kv_tier", str(e)) from None
     if cfg.controller_version is not None and cfg.controller_version < 1:
         raise _FieldError("controller_version", f"must be ≥ 1, got {cfg.controller_version}")
     lo, hi = cfg.gamma_min, cfg.gamma_max
