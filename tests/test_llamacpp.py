@@ -316,3 +316,59 @@ def test_tiers_and_configs_follow_the_engine():
     assert TunedConfig(engine="llamacpp").target_tier == "q4_1" and TunedConfig().target_tier == "fp32"
     old = from_run({"target_tier": "bf16", "policy": "fixed:3"}, None, None)  # a run from before engines
     assert (old.engine, old.target_tier) == ("torch", "bf16")
+
+
+def test_the_export_and_profile_pages_follow_the_engine(tmp_path, monkeypatch):
+    """On the llama.cpp engine the Export page renders llama-server's arguments and writes the draft
+    GGUF; the Profile page offers its formats and KV types, and its sweep runs on llama.cpp."""
+    from apptest import _app, _errors
+    from engine.service.jobs import RUNNER
+    from store import Store
+
+    db = tmp_path / "ui.duckdb"
+    for name, value in (("SPECLAB_TARGET", ""), ("SPECLAB_DRAFT", ""), ("SPECLAB_DB", str(db)),
+                        ("SPECLAB_ENGINE", "llamacpp")):
+        monkeypatch.setenv(name, value)
+    at = _app().switch_page("views/export.py").run()
+    at.text_input(key="export_policy").set_value("fixed:2").run()
+    assert not at.exception and not _errors(at), _errors(at)
+    shown = json.loads(at.code[-1].value)
+    args = shown["server_args"]
+    assert shown["target_format"] == "q4_1" and args[args.index("--spec-draft-n-max") + 1] == "2"
+    at.selectbox(key="export_dir_format").set_value("llamacpp")
+    at.text_input(key="export_dir").set_value(str(tmp_path / "out")).run()
+    at.button(key="export_dir_write").click().run(timeout=300)
+    assert not at.exception and not _errors(at), _errors(at)
+    assert at.success[0].value.startswith(f"{tmp_path / 'out'}: llama.cpp") and (tmp_path / "out" / "draft.gguf").is_file()
+
+    RUNNER.wait(300)
+    at.switch_page("views/profile.py").run()
+    assert at.multiselect(key="profile_tiers_llamacpp").options == ["q4_1", "q8_0", "bf16", "f32"]
+    assert at.multiselect(key="profile_tiers_llamacpp").value == ["q4_1"]
+    assert at.multiselect(key="profile_kv_tiers_llamacpp").options == ["native", "q8_0", "q4_0"]
+    at.text_input(key="profile_name").set_value("ui-llama")
+    at.multiselect(key="profile_policies").set_value(["ar"])
+    at.number_input(key="profile_max_new").set_value(8)
+    at.checkbox(key="profile_trace").set_value(False)
+    at.button(key="profile_start").click().run()
+    assert not at.exception and not _errors(at), _errors(at)
+    end = RUNNER.wait(300)
+    assert end.state == "finished", end.error
+    with Store(str(db), read_only=True) as s:
+        runs = s.runs(sweep="ui-llama")
+    assert len(runs) == 4 and set(runs["engine"]) == {"llamacpp"} and set(runs["target_tier"]) == {"q4_1"}
+
+
+def test_the_cli_export_for_llama_cpp_is_stored_too(tmp_path):
+    from store import Store
+
+    db = tmp_path / "x.duckdb"
+    r = subprocess.run([sys.executable, "-m", "engine", "export", "--engine", "llamacpp", "--format", "llamacpp",
+                        "--policy", "fixed:4@ngram", "--out", str(tmp_path / "exp"), "--db", str(db)],
+                       capture_output=True, text=True, cwd=ROOT, timeout=600)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.startswith(f"{tmp_path / 'exp'}: llama.cpp") and "--spec-type ngram-simple" in r.stdout
+    with Store(str(db), read_only=True) as st:
+        stored = st.exports()
+    assert list(stored["format"]) == ["llamacpp"]
+    assert json.loads(stored["content"][0])["settings"]["size_m"] == 4

@@ -9,29 +9,37 @@ import json
 
 import streamlit as st
 
+from engine.base.helpers import one_line
 from engine.base.names import WEIGHT_TIERS, tiers_of
 from engine.service import latest_live_run, save_export, stored_exports
-from engine.service.export import describe_check, export_bundle, export_checks, vllm_fields
+from engine.service.export import describe_check, export_bundle, export_checks, render, vllm_fields
 from engine.service.export_dir import summary, write_export_dir
+from engine.service.export_llamacpp import llamacpp_summary, write_llamacpp_export
 from engine.service.tuned_config import TunedConfig, default_name, from_run, to_json, to_yaml
 from views.common import settings, show_error
 
 PREFILL_KEY = "export_prefill"
 DEFAULT_TIER = "default"  # the draft tier's "loader's default" choice
 FORMAT_LABELS = {"json": "SpecLab JSON", "yaml": "SpecLab YAML", "hf": "HF generate kwargs",
-                 "vllm": "vLLM speculative_config"}
+                 "vllm": "vLLM speculative_config", "llamacpp": "llama.cpp (llama-server)"}
 
 
-def _prefill(db: str, target: str | None, draft: str | None) -> TunedConfig:
-    """The newest live run's settings (what was last tuned by hand), else the defaults; read once
-    per session so that the form does not jump while it is being edited."""
+def formats_of(cfg: TunedConfig) -> list[str]:
+    """The export formats offered for `cfg`: llama.cpp's for a setting tuned on that engine (its γ
+    was chosen on llama.cpp's costs; a torch engine's would not carry over)."""
+    return [f for f in FORMAT_LABELS if f != "llamacpp" or cfg.engine == "llamacpp"]
+
+
+def _prefill(db: str, target: str | None, draft: str | None, engine: str) -> TunedConfig:
+    """The newest live run's settings (what was last tuned by hand), else the defaults on the
+    sidebar's engine; read once per session so that the form does not jump while it is being edited."""
     if PREFILL_KEY not in st.session_state:
         try:
             run = latest_live_run(db)
         except Exception as e:  # noqa: BLE001 - an unreadable store still leaves the defaults
             show_error(e)
             run = None
-        base = from_run(run, target, draft) if run else TunedConfig(target=target or "embedded", draft=draft)
+        base = from_run(run, target, draft) if run else TunedConfig(target=target or "embedded", draft=draft, engine=engine)
         st.session_state[PREFILL_KEY] = base
     return st.session_state[PREFILL_KEY]
 
@@ -90,10 +98,18 @@ def _show(cfg: TunedConfig) -> None:
     texts = {"json": to_json(cfg), "yaml": to_yaml(cfg), "hf": json.dumps(bundle["hf_generate_kwargs"], indent=2),
              "vllm": None if bundle["vllm_speculative_config"] is None
              else json.dumps(bundle["vllm_speculative_config"], indent=2)}
-    for tab, (fmt, text) in zip(st.tabs(list(FORMAT_LABELS.values())), texts.items()):
+    if "llamacpp" in formats_of(cfg):
+        try:
+            texts["llamacpp"] = render(cfg, "llamacpp")
+        except ValueError as e:  # a proposer llama.cpp has no counterpart of: said, not raised
+            texts["llamacpp"] = ValueError(one_line(e))
+    for tab, (fmt, text) in zip(st.tabs([FORMAT_LABELS[f] for f in texts]), texts.items()):
         with tab:
             if text is None:
                 st.info(f"Policy {cfg.policy} never drafts: vLLM runs it without a speculative_config.")
+                continue
+            if isinstance(text, ValueError):
+                st.info(str(text))
                 continue
             st.code(text, language="yaml" if fmt == "yaml" else "json")
             if fmt == "hf":
@@ -103,6 +119,10 @@ def _show(cfg: TunedConfig) -> None:
             if fmt == "vllm":
                 f = vllm_fields()
                 st.caption(f"Field names of SpeculativeConfig at vLLM {f['release']} ({f['source']}).")
+            if fmt == "llamacpp":
+                st.caption("llama-server's arguments, each checked against the pinned build's flags. "
+                           "\"Write directory\" below also writes the draft as a GGUF (draft.gguf) that llama.cpp "
+                           "loads as its draft model.")
             ext = "yaml" if fmt == "yaml" else "json"
             name = f"{stem}.{ext}" if fmt in ("json", "yaml") else f"{stem}.{fmt}.json"
             st.download_button(f"Download {FORMAT_LABELS[fmt]}", text, file_name=name,
@@ -115,7 +135,7 @@ def _show(cfg: TunedConfig) -> None:
 def _save(cfg: TunedConfig, db: str) -> None:
     c1, c2, c3 = st.columns([2, 1, 1])
     name = c1.text_input("Name", value="", placeholder=default_name(cfg), key="export_name")
-    fmt = c2.selectbox("Format", list(FORMAT_LABELS), format_func=FORMAT_LABELS.get, key="export_format")
+    fmt = c2.selectbox("Format", formats_of(cfg), format_func=FORMAT_LABELS.get, key="export_format")
     c3.write("")
     if c3.button("Save to store", key="export_save"):
         try:
@@ -129,13 +149,17 @@ def _directory(cfg: TunedConfig) -> None:
     """A self-contained export directory of the format chosen, written where the user says."""
     c1, c2, c3 = st.columns([2, 1, 1])
     path = c1.text_input("Directory", value="", placeholder="exports/my-setting (new or empty)", key="export_dir")
-    fmt = c2.selectbox("Engine", list(FORMAT_LABELS), format_func=FORMAT_LABELS.get, key="export_dir_format")
+    fmt = c2.selectbox("Engine", formats_of(cfg), format_func=FORMAT_LABELS.get, key="export_dir_format")
     c3.write("")
     if c3.button("Write directory", key="export_dir_write", disabled=not path.strip()):
         try:
+            made_by = "the workbench's Export page"
             with st.spinner("writing the draft as a standalone model…"):
-                manifest = write_export_dir(cfg, fmt, path.strip(), made_by="the workbench's Export page")
-            st.success(summary(path.strip(), manifest))
+                if fmt == "llamacpp":
+                    line = llamacpp_summary(path.strip(), write_llamacpp_export(cfg, path.strip(), made_by))
+                else:
+                    line = summary(path.strip(), write_export_dir(cfg, fmt, path.strip(), made_by=made_by))
+            st.success(line)
         except Exception as e:  # noqa: BLE001 - one line, never a traceback
             show_error(e)
 
@@ -167,7 +191,7 @@ def _stored(db: str) -> None:
 
 st.title("Export")
 s = settings()
-base = _prefill(s.db, s.target, s.draft)
+base = _prefill(s.db, s.target, s.draft, s.engine)
 try:
     cfg = _form(base, s.target, s.draft)
 except ValueError as e:

@@ -9,7 +9,7 @@ from datetime import date
 import pandas as pd
 import streamlit as st
 
-from engine.base.names import KV_TIERS, WEIGHT_TIERS
+from engine.base.names import tiers_of
 from engine.decode.policies import POLICY_EXAMPLES, parse_policy
 from engine.lab.profiling import sweep_jobs
 from engine.service import prompt_set, sweep_table
@@ -35,9 +35,14 @@ def inputs() -> tuple[bool, dict]:
                              help="heldout: the held-out prompts; bench: the benchmark's; train: training prompts")
         per_task = c3.number_input("Prompts per task", min_value=1, max_value=100, value=1, key="profile_per_task")
         c1, c2 = st.columns(2)
-        tiers = c1.multiselect("Tiers", WEIGHT_TIERS, default=["fp32"], key="profile_tiers",
-                               help="Target weight tiers; fp16 needs CUDA, int8/nf4 bitsandbytes")
-        kv_tiers = c2.multiselect("KV tiers", KV_TIERS, default=["native"], key="profile_kv_tiers")
+        engine = settings().engine
+        weight_tiers, kv_choices = tiers_of(engine)
+        llama = engine == "llamacpp"  # its own keys: a torch tier is not a GGUF format
+        tiers = c1.multiselect("Tiers", weight_tiers, default=weight_tiers[:1], key="profile_tiers" + ("_llamacpp" if llama else ""),
+                               help="GGUF weight formats (q4_1 as shipped; the others converted once and cached)"
+                               if llama else "Target weight tiers; fp16 needs CUDA, int8/nf4 bitsandbytes")
+        kv_tiers = c2.multiselect("KV tiers", kv_choices, default=kv_choices[:1],
+                                  key="profile_kv_tiers" + ("_llamacpp" if llama else ""))
         policies = st.multiselect("Policies", POLICY_OPTIONS, default=DEFAULT_POLICIES, key="profile_policies")
         c1, c2 = st.columns(2)
         max_new = c1.number_input("Max new tokens", min_value=2, max_value=8192, value=32, step=16,
@@ -66,14 +71,15 @@ def spec_of(inp: dict, s: Settings | None = None) -> SweepSpec:
     jobs = sweep_jobs(prompt_set(inp["which"], inp["per_task"]), inp["tiers"], inp["policies"], inp["kv_tiers"])
     if not inp.get("ray"):
         return SweepSpec(inp["name"], tuple(jobs), inp["max_new_tokens"], inp["trace"])
-    cluster, pair = ClusterSpec(inp["ray_address"] or None), PairSpec(s.target if s else None, s.draft if s else None)
+    cluster = ClusterSpec(inp["ray_address"] or None)
+    pair = PairSpec(s.target, s.draft, engine=s.engine) if s else PairSpec()
     return SweepSpec(inp["name"], tuple(jobs), inp["max_new_tokens"], inp["trace"], cluster, pair)
 
 
 def loader(s: Settings):
     """The sweep's loader: the pages' cached pairs (shared with Live decode, so the models load
     once); without st.spinner, which a background thread cannot draw."""
-    return lambda tier: _pair(s.target, s.draft, tier)
+    return lambda tier: _pair(s.target, s.draft, tier, s.engine)
 
 
 def start(inp: dict) -> None:

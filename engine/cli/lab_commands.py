@@ -244,7 +244,7 @@ def _profile_on_ray(a: argparse.Namespace, st, jobs: list, bar) -> None:
     from engine.service.cluster import ClusterSpec, PairSpec
     from engine.service.cluster_sweep import profile_on_ray
 
-    pair = PairSpec(a.target, a.draft, a.draft_tier, a.device, a.trust_remote_code, exact_verify(a), a.eagle)
+    pair = PairSpec(a.target, a.draft, a.draft_tier, a.device, a.trust_remote_code, exact_verify(a), a.eagle, a.engine)
     res = profile_on_ray(st, a.sweep, jobs, pair, a.max_new_tokens, ClusterSpec(a.ray or None, a.workers, 1.0, a.worker_gpus),
                          on_start=lambda n: bar.reset(total=n), on_cell=lambda f: bar.update(1), say=say)
     if res.workers:

@@ -204,22 +204,20 @@ def cmd_export(a: argparse.Namespace) -> int:
     directory = a.out is not None and Path(a.out).suffix.lower() not in CONFIG_SUFFIXES
     made_by = f"python -m engine export --format {a.format} --policy {cfg.policy} --out {a.out}"
     if directory and a.format == "llamacpp":
-        from engine.service.export_llamacpp import write_llamacpp_export
+        from engine.service.export_llamacpp import llamacpp_summary, write_llamacpp_export
 
-        manifest = write_llamacpp_export(cfg, a.out, made_by)
-        print(f"{a.out}: llama.cpp ({manifest['engine_version']}): llama-server {' '.join(manifest['server_args'])}")
-        return 0
-    if directory:
+        written = llamacpp_summary(a.out, write_llamacpp_export(cfg, a.out, made_by))
+    elif directory:
         from engine.service.export_dir import summary, write_export_dir
 
-        manifest = write_export_dir(cfg, a.format, a.out, made_by=made_by)
+        written = summary(a.out, write_export_dir(cfg, a.format, a.out, made_by=made_by))
     if a.db:
         name, version, text = save_export(a.db, cfg, a.format, name)
         say(f"saved as {name} v{version} in {a.db}")
     else:
         text = render(cfg, a.format)
     if directory:
-        print(summary(a.out, manifest))
+        print(written)
     elif a.out:
         try:
             Path(a.out).write_text(text, encoding="utf-8")

@@ -141,6 +141,8 @@ class TargetVerifier:
     """One target forward over [newest token, d_1 … d_k] scores every draft prefix at once. With
     a prefix cache, the prefill takes what the longest stored prefix offers (engine/runtime/prefix_cache.py)."""
 
+    plain_reuses_shape = False  # a plain step costs the same whatever read came before it
+
     def __init__(self, pair: ModelPair, prompt_ids: list[int], sampler: Sampler,
                  prefix: PrefixCache | None = None, kv_tier: str = "native") -> None:
         self.pair, self.sampler, self.prefix = pair, sampler, prefix

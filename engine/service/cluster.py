@@ -47,12 +47,13 @@ class PairSpec:
     trust_remote_code: bool = False
     exact_verify: bool | None = None
     eagle: str | None = None
+    engine: str = "torch"  # what runs the target (a llama.cpp worker probes its kernels in a child first)
 
     def load(self, tier: str):
         from engine.runtime.models import load_pair
 
         return load_pair(self.target, self.draft, tier, self.draft_tier, self.device, self.trust_remote_code,
-                         exact_verify=self.exact_verify, eagle=self.eagle)
+                         exact_verify=self.exact_verify, eagle=self.eagle, engine=self.engine)
 
 
 @dataclass(frozen=True)

@@ -188,6 +188,11 @@ def render_llamacpp(cfg: TunedConfig) -> str:
     return json.dumps(_manifest(cfg, settings(cfg), ""), indent=2) + "\n"
 
 
+def llamacpp_summary(out: str | Path, manifest: dict[str, Any]) -> str:
+    """One line: where the export is and the llama-server command that runs it."""
+    return f"{out}: llama.cpp ({manifest['engine_version']}): llama-server {' '.join(manifest['server_args'])}"
+
+
 def write_llamacpp_export(cfg: TunedConfig, out: str | Path, made_by: str = "") -> dict[str, Any]:
     """DIR/llamacpp.json (the settings, llama-server's arguments, the binding's form) and, for a
     draft-model setting, DIR/draft.gguf. Written into a temporary sibling renamed into place."""
