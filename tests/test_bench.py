@@ -390,3 +390,17 @@ def test_exports_bench_runs_each_engine_and_says_why_one_did_not(tiny_dirs, tmp_
     assert bench_exports.main(base + ["--vllm-venv", str(tmp_path / "none"), "--json"]) == 0
     res = json.loads(capsys.readouterr().out)
     assert res["vllm_skipped"].startswith(f"no vLLM CPU environment at {tmp_path / 'none'}: pass --make-vllm")
+
+
+def test_bench_peers_profiles_on_prompts_it_does_not_time_and_counts_divergence():
+    from bench import peers
+    from engine.datasets.prompts import heldout
+
+    timed = heldout(2)
+    profiled = peers.profiling_prompts(2, 2)
+    assert len(profiled) == 8 and not set(profiled) & set(timed)
+    assert sorted(t for t, _ in profiled) == sorted(t for t, _ in timed)  # the workload's own task mix
+    assert peers.first_difference([1, 2, 3], [1, 2, 3]) is None
+    assert peers.first_difference([1, 2, 3], [1, 5, 3]) == 1 and peers.first_difference([1, 2], [1, 2, 3]) == 2
+    got = peers.divergence({"ref": [[1, 2], [3, 4]], "x": [[1, 2], [3, 5]]}, "ref")
+    assert got == {"x": {"differing": 1, "prompts": 2, "first_position": [1]}}

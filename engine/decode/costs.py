@@ -179,7 +179,9 @@ class CostTable:
         """The verify share of step_ms: what replay charges the verifier. Past the last bucket a
         verify of k + 1 rows grows by k + 1 times the per-row slope (`row_slope`)."""
         beyond = self.band(context_len) - self.buckets[-1]
-        ms = self.verify_ms[self.bucket_of(context_len)][k] + (k + 1) * self.row_slope() * max(beyond, 0)
+        ms = self.verify_ms[self.bucket_of(context_len)][k]
+        if beyond > 0:  # the slope only past the last bucket (a controller asks every step)
+            ms += (k + 1) * self.row_slope() * beyond
         return ms * self._factor(k)
 
     def row_slope(self) -> float:
