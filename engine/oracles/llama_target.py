@@ -24,8 +24,8 @@ class LlamaTargetVerifier:
     cache = None  # the KV lives in the context; nothing to offload or store in the prefix cache
     restore_timing = None
     # llama.cpp reuses a read's compute graph when the next read has the same shape, so a plain
-    # step after a plain step costs ~7% less than one after a verify of several rows or a draft
-    # (measured on the embedded Q8_0 model): the cost rigs time plain steps in that steady state.
+    # step after a plain step costs less than one after a verify of several rows or a draft: the
+    # cost rigs time plain steps in that steady state, as a run of them meets it.
     plain_reuses_shape = True
 
     def __init__(self, pair, prompt_ids: list[int], sampler: Sampler, kv_tier: str = "native") -> None:
