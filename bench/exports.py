@@ -269,7 +269,7 @@ def store_checks(db: str, res: dict[str, Any], cfgs: dict[str, TunedConfig]) -> 
 
 def measure(cfg: TunedConfig, a: argparse.Namespace, work: Path, say: Callable[[str], None]) -> dict[str, Any]:
     from engine.runtime.models import load_tokenizer
-    from engine.service.export import speculative_tokens
+    from engine.service.tuned_config import speculative_tokens
 
     t0 = time.perf_counter()
     target = None if cfg.target == EMBEDDED else cfg.target

@@ -93,19 +93,21 @@ def profiling_prompts(timed_per_task: int, per_task: int) -> list[tuple[str, str
     return [tp for tp in heldout(timed_per_task + per_task) if tp not in timed]
 
 
-def profile(pair, db: str, prompts: list[tuple[str, str]], max_new: int, context: int, say) -> dict[str, Any]:
-    """What a user does before tuning, on prompts of the workload (`profiling_prompts`), stored in
-    `db`: traces, a profile sweep of CALIBRATION_POLICIES, the cost table measured and then
-    calibrated to that sweep's live steps (`costs --calibrate`). rakv then reads the calibrated
-    table and its per-proposer acceptance priors from them, as after any profiling. Returns the
-    priors and the calibration's per-k factors (live ÷ measured)."""
+def profile(pair, db: str, a: argparse.Namespace, timed: list[list[int]], say) -> dict[str, Any]:
+    """What a user does before tuning, on --profile prompts of the workload a task
+    (`profiling_prompts`, none of the `timed` ones), stored in `db`: traces, a profile sweep of
+    CALIBRATION_POLICIES, the cost table measured (to the timed prompts' reach) and then calibrated
+    to that sweep's live steps (`costs --calibrate`). rakv then reads the calibrated table and its
+    per-proposer acceptance priors from them, as after any profiling. Returns the priors and the
+    calibration's per-k factors (live ÷ measured)."""
     from engine.lab.profiling import sweep_jobs
     from engine.oracles import available
-    from engine.service.cost_tables import acceptance_priors, calibrate_costs, cost_key, cost_table
+    from engine.service.cost_tables import acceptance_priors, calibrate_costs, cost_key, cost_table, reach
     from engine.service.sweeps import profile as sweep
     from engine.service.sweeps import trace_prompts
     from store import Store
 
+    prompts, max_new = profiling_prompts(a.per_task, a.profile), a.max_new_tokens
     with Store(db) as st:
         factors = None
         if prompts:
@@ -114,7 +116,7 @@ def profile(pair, db: str, prompts: list[tuple[str, str]], max_new: int, context
             say(f"profiling: {', '.join(CALIBRATION_POLICIES)} on them, then the cost table calibrated to those steps")
             sweep(st, f"bench-peers-{pair.engine}-{pair.target_tier}", sweep_jobs(prompts, [pair.target_tier], CALIBRATION_POLICIES),
                   lambda tier: pair, max_new)
-            cost_table(st, pair, say, "native", context)
+            cost_table(st, pair, say, "native", reach(max(map(len, timed)), max_new))
             factors = calibrate_costs(st, cost_key(pair)).step_factor
         return {"priors": acceptance_priors(st, cost_key(pair), available(pair)),
                 "step_factor": [round(f, 3) for f in factors] if factors else None}
@@ -140,7 +142,6 @@ def one_format(fmt: str, a: argparse.Namespace, prompts: list[list[int]], db: st
 
     from engine.runtime.llamacpp import stock_llama
     from engine.runtime.models import load_pair
-    from engine.service.cost_tables import reach
 
     say(f"{fmt}: loading (a format other than the shipped q4_1 is converted once and cached)")
     pair = load_pair(a.target, a.draft, fmt, a.draft_tier, engine="llamacpp", progress=say)
@@ -151,8 +152,7 @@ def one_format(fmt: str, a: argparse.Namespace, prompts: list[list[int]], db: st
     lookup = stock_llama(model.path, model.threads, model.extra_bufts,
                          draft_model=LlamaPromptLookupDecoding(num_pred_tokens=LOOKUP_TOKENS))
     eog = frozenset(pair.eos_ids)
-    profiled = profile(pair, db, profiling_prompts(a.per_task, a.profile), a.max_new_tokens,
-                       reach(max(map(len, prompts)), a.max_new_tokens), say)
+    profiled = profile(pair, db, a, prompts, say)
     say(f"{fmt}: the cost table on llama.cpp (measured once, stored in the bench's database)")
     ours, table = speclab_methods(pair, db, a.max_new_tokens, policies(), max(map(len, prompts)), say)
     methods = {"llamacpp:plain": llama_method(plain, a.max_new_tokens, eog),
@@ -211,14 +211,12 @@ def torch_tiers(a: argparse.Namespace, prompts: list[list[int]], db: str, say,
     import torch
 
     from engine.runtime.models import load_pair
-    from engine.service.cost_tables import reach
 
     out = {}
     for tier in [t for t in a.torch_tiers.split(",") if t]:
         say(f"torch {tier}: loading")
         pair = load_pair(a.target, a.draft, tier, a.draft_tier, "cpu", progress=say)
-        profiled[tier] = profile(pair, db, profiling_prompts(a.per_task, a.profile), a.max_new_tokens,
-                               reach(max(map(len, prompts)), a.max_new_tokens), say)
+        profiled[tier] = profile(pair, db, a, prompts, say)
         methods, _ = speclab_methods(pair, db, a.max_new_tokens, ["ar", "rakv"], max(map(len, prompts)), say)
         for fn in methods.values():
             fn(prompts[0][:16])

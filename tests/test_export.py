@@ -143,7 +143,7 @@ def test_the_ngram_defaults_are_the_proposers():
     from engine.oracles.ngram import OPTIONS, NgramProposer
 
     params = inspect.signature(NgramProposer).parameters
-    assert {k: params[arg].default for k, arg in OPTIONS.items()} == ex.NGRAM_DEFAULTS
+    assert {k: params[arg].default for k, arg in OPTIONS.items()} == tc.NGRAM_DEFAULTS
 
 
 def test_bundle_holds_the_three_forms():

@@ -25,6 +25,12 @@ class Settings:
     engine: str = "torch"  # what runs the target: torch, or llama.cpp on a GGUF (its tiers are formats)
 
 
+def engine_key(key: str, engine: str) -> str:
+    """A tier widget's key on `engine`: llama.cpp's widgets keep keys of their own, since a torch
+    tier is not a GGUF format (a value kept under the other engine's key would not be an option)."""
+    return key + ("_llamacpp" if engine == "llamacpp" else "")
+
+
 def _env(name: str) -> str:
     return default_db() if name == "db" else os.environ.get(_ENV[name], "")
 

@@ -21,7 +21,7 @@ from engine.service import context_for, reach, replay_rows
 from engine.service.cost_tables import MODEL_TOLERANCE, model_checks
 from engine.service.runs import Request, check, run_policies, store_outcome
 from store import Store
-from views.common import get_pair, get_suffix_history, settings, show_error
+from views.common import engine_key, get_pair, get_suffix_history, settings, show_error
 
 RESULT_KEY = "compare_result"
 WHATIF_KEY = "compare_whatif"
@@ -52,9 +52,8 @@ def inputs() -> tuple[bool, dict]:
         c1, c2, c3, c4, c5 = st.columns(5)
         engine = settings().engine
         tiers, kv_tiers = tiers_of(engine)
-        own = "_llamacpp" if engine == "llamacpp" else ""  # its own keys: a torch tier is not a GGUF format
-        tier = c1.selectbox("Target tier", tiers, key="compare_tier" + own)
-        kv_tier = c2.selectbox("KV tier", kv_tiers, key="compare_kv_tier" + own)
+        tier = c1.selectbox("Target tier", tiers, key=engine_key("compare_tier", engine))
+        kv_tier = c2.selectbox("KV tier", kv_tiers, key=engine_key("compare_kv_tier", engine))
         max_new = c3.number_input("Max new tokens", min_value=1, max_value=8192, value=48, step=16,
                                   key="compare_max_new")
         temperature = c4.number_input("Temperature", min_value=0.0, max_value=5.0, value=0.0, step=0.1,

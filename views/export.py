@@ -16,7 +16,7 @@ from engine.service.export import describe_check, export_bundle, export_checks, 
 from engine.service.export_dir import summary, write_export_dir
 from engine.service.export_llamacpp import llamacpp_summary, write_llamacpp_export
 from engine.service.tuned_config import TunedConfig, default_name, from_run, to_json, to_yaml
-from views.common import settings, show_error
+from views.common import engine_key, settings, show_error
 
 PREFILL_KEY = "export_prefill"
 DEFAULT_TIER = "default"  # the draft tier's "loader's default" choice
@@ -52,13 +52,12 @@ def _form(base: TunedConfig, target: str | None, draft: str | None) -> TunedConf
     policy = c1.text_input("Policy", value=base.policy, key="export_policy",
                            help="fixed:4, heuristic, threshold:0.4, rules, speckv, speckv-rf, rakv, ar, …")
     tiers_here, kv_here = tiers_of(base.engine)  # the run's engine: llama.cpp's are GGUF formats, cache types
-    own = "_llamacpp" if base.engine == "llamacpp" else ""
     target_tier = c2.selectbox("Target tier", tiers_here, index=tiers_here.index(base.target_tier),
-                               key="export_target_tier" + own)
+                               key=engine_key("export_target_tier", base.engine))
     tiers = (DEFAULT_TIER,) + WEIGHT_TIERS
     draft_tier = c3.selectbox("Draft tier", tiers, index=tiers.index(base.draft_tier or DEFAULT_TIER),
                               key="export_draft_tier")
-    kv_tier = c4.selectbox("KV tier", kv_here, index=kv_here.index(base.kv_tier), key="export_kv_tier" + own)
+    kv_tier = c4.selectbox("KV tier", kv_here, index=kv_here.index(base.kv_tier), key=engine_key("export_kv_tier", base.engine))
     c1, c2, c3, c4 = st.columns(4)
     gamma_min = c1.number_input("γ min", min_value=0, max_value=8, step=1, value=None, key="export_gamma_min",
                                 placeholder=f"{base.gamma_min} (from the policy)")

@@ -18,7 +18,7 @@ from engine.lab.side_by_side import policy_options, proposers_of
 from engine.service.cost_jobs import MEASURER
 from engine.service.live_runs import LiveRun, LiveSnapshot, start_live
 from engine.service.runs import Request, check
-from views.common import get_pair, get_prefix_cache, get_suffix_history, settings, show_error
+from views.common import engine_key, get_pair, get_prefix_cache, get_suffix_history, settings, show_error
 
 RUN_KEY = "live_run"  # the session's LiveRun (running or the last one)
 INPUT_KEY = "live_run_inputs"  # the form's values that run was started with
@@ -157,8 +157,8 @@ def inputs() -> tuple[bool, dict]:
                               placeholder="e.g. fixed:6, threshold:0.3, fixed:3@ngram:max=3,min=2")
         engine = settings().engine
         tiers, kv_tiers = tiers_of(engine)
-        llama = engine == "llamacpp"  # its own keys: a torch tier is not a GGUF format
-        tier = c3.selectbox("Target tier", tiers, key="live_tier" + ("_llamacpp" if llama else ""),
+        llama = engine == "llamacpp"
+        tier = c3.selectbox("Target tier", tiers, key=engine_key("live_tier", engine),
                             help="GGUF format on llama.cpp (q4_1 as shipped; others converted once)" if llama else
                             "Target weight tier. fp16 needs CUDA; int8/nf4 use bitsandbytes.")
         c1, c2, c3, c4 = st.columns(4)
@@ -178,7 +178,7 @@ def inputs() -> tuple[bool, dict]:
                                  "(RAKV-ASD's cache); off recomputes the whole prompt")
         budget = c3.number_input("Prefix cache budget (MiB)", min_value=1, max_value=65536, value=512, step=64,
                                  key="live_prefix_budget", help="Least recently used entries leave first")
-        kv_tier = c4.selectbox("KV tier", kv_tiers, key="live_kv_tier" + ("_llamacpp" if llama else ""),
+        kv_tier = c4.selectbox("KV tier", kv_tiers, key=engine_key("live_kv_tier", engine),
                                help="llama.cpp's cache type: native (f16), q8_0, q4_0" if llama else
                                "How the target's KV cache stores each token: native (the model's dtype), "
                                "fp8 (e4m3 × a power of two per token and head), int8 (× a bf16 scale)")

@@ -17,7 +17,7 @@ from engine.service.cluster import ClusterSpec, PairSpec
 from engine.service.jobs import RUNNER, SweepSpec, SweepStatus
 from engine.service.kernels import kernel_report
 from store import Store
-from views.common import Settings, _pair, get_pair, settings, show_error
+from views.common import Settings, _pair, engine_key, get_pair, settings, show_error
 
 PROMPT_SETS = ["heldout", "bench", "train"]
 # One click must work on the embedded model on a CPU: one prompt per task, short runs, fp32 only.
@@ -37,12 +37,11 @@ def inputs() -> tuple[bool, dict]:
         c1, c2 = st.columns(2)
         engine = settings().engine
         weight_tiers, kv_choices = tiers_of(engine)
-        llama = engine == "llamacpp"  # its own keys: a torch tier is not a GGUF format
-        tiers = c1.multiselect("Tiers", weight_tiers, default=weight_tiers[:1], key="profile_tiers" + ("_llamacpp" if llama else ""),
+        tiers = c1.multiselect("Tiers", weight_tiers, default=weight_tiers[:1], key=engine_key("profile_tiers", engine),
                                help="GGUF weight formats (q4_1 as shipped; the others converted once and cached)"
-                               if llama else "Target weight tiers; fp16 needs CUDA, int8/nf4 bitsandbytes")
+                               if engine == "llamacpp" else "Target weight tiers; fp16 needs CUDA, int8/nf4 bitsandbytes")
         kv_tiers = c2.multiselect("KV tiers", kv_choices, default=kv_choices[:1],
-                                  key="profile_kv_tiers" + ("_llamacpp" if llama else ""))
+                                  key=engine_key("profile_kv_tiers", engine))
         policies = st.multiselect("Policies", POLICY_OPTIONS, default=DEFAULT_POLICIES, key="profile_policies")
         c1, c2 = st.columns(2)
         max_new = c1.number_input("Max new tokens", min_value=2, max_value=8192, value=32, step=16,

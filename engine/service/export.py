@@ -16,12 +16,12 @@ from engine.base.names import DATA_DIR, EMBEDDED
 from engine.base.names import SHIPPED_DRAFT as SHIPPED_DRAFT_PATH
 from engine.decode.policies import parse_policy, split_spec
 from engine.service.runs import file_missing
-from engine.service.tuned_config import (  # noqa: F401 - speculative_tokens: exports' callers read it here
+from engine.service.tuned_config import (
     FIXED,
-    NGRAM_DEFAULTS,
     PLAIN,
     TunedConfig,
     first_proposer,
+    ngram_options,
     speculative_tokens,
     to_json,
     to_yaml,
@@ -80,8 +80,7 @@ def hf_generate_kwargs(cfg: TunedConfig) -> dict[str, Any]:
     if name in PLAIN:
         return out
     if hf_proposer(cfg) == "ngram":
-        o = {**NGRAM_DEFAULTS, **{k: int(v) for k, v in split_spec(cfg.policy)[2].get("ngram", {}).items()}}
-        out.update(prompt_lookup_num_tokens=speculative_tokens(cfg), max_matching_ngram_size=o["max"])
+        out.update(prompt_lookup_num_tokens=speculative_tokens(cfg), max_matching_ngram_size=ngram_options(cfg)["max"])
         return out
     out["assistant_model"] = draft_source(cfg)
     if name in FIXED:
@@ -119,11 +118,6 @@ def vllm_fields() -> dict[str, Any]:
     return json.loads(VLLM_FIELDS_FILE.read_text())
 
 
-def vllm_proposer(cfg: TunedConfig) -> str:
-    """The proposer vLLM drafts with: vLLM runs one method per engine (tuned_config.first_proposer)."""
-    return first_proposer(cfg)
-
-
 def _vllm_draft(cfg: TunedConfig, options: dict[str, str]) -> dict[str, Any]:
     out: dict[str, Any] = {"method": "draft_model", "model": draft_source(cfg)}
     tier = cfg.draft_tier or (None if cfg.draft is not None or cfg.target == EMBEDDED else "nf4")
@@ -138,7 +132,7 @@ def _vllm_eagle(cfg: TunedConfig, options: dict[str, str]) -> dict[str, Any]:
 
 
 def _vllm_ngram(cfg: TunedConfig, options: dict[str, str]) -> dict[str, Any]:
-    o = {**NGRAM_DEFAULTS, **{k: int(v) for k, v in options.items()}}
+    o = ngram_options(cfg, options)
     return {"method": "ngram", "prompt_lookup_max": o["max"], "prompt_lookup_min": o["min"]}
 
 
@@ -153,10 +147,10 @@ VLLM_PROPOSERS = {"draft": _vllm_draft, "eagle": _vllm_eagle, "ngram": _vllm_ngr
 def vllm_speculative_config(cfg: TunedConfig) -> dict[str, Any] | None:
     """vLLM's `speculative_config` (`LLM(..., speculative_config=...)`, `--speculative-config`)
     for the pinned release; None for policies that never draft. vLLM drafts a fixed number of
-    tokens per step (`speculative_tokens`) with one proposer (`vllm_proposer`)."""
+    tokens per step (`speculative_tokens`) with one proposer (`first_proposer`: vLLM runs one method per engine)."""
     if cfg.policy_name in PLAIN:
         return None
-    proposer = vllm_proposer(cfg)
+    proposer = first_proposer(cfg)
     out = VLLM_PROPOSERS[proposer](cfg, split_spec(cfg.policy)[2].get(proposer, {}))
     out["num_speculative_tokens"] = speculative_tokens(cfg)
     known = set(vllm_fields()["fields"]) - set(vllm_fields()["engine_set_fields"])
@@ -196,7 +190,7 @@ def _proposer_notes(cfg: TunedConfig) -> list[str]:
     if cfg.policy_name in PLAIN:
         return []
     names = split_spec(cfg.policy)[1] or []
-    used, out = vllm_proposer(cfg), []
+    used, out = first_proposer(cfg), []
     if len(names) > 1:
         out.append(f"vLLM drafts with one proposer: {used} (the policy also chooses {', '.join(names[1:])})")
     if "eagle" in names:

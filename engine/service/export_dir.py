@@ -36,7 +36,7 @@ from typing import Any
 from engine.base.helpers import one_line
 from engine.base.names import EMBEDDED, EMBEDDED_LABEL
 from engine.service import export as ex
-from engine.service.tuned_config import TunedConfig, to_json, to_yaml
+from engine.service.tuned_config import TunedConfig, first_proposer, to_json, to_yaml
 
 MANIFEST = "speclab_export.json"
 MANIFEST_FORMAT = "speclab-export/1"
@@ -236,7 +236,7 @@ def _uses_draft(cfg: TunedConfig, fmt: str) -> bool:
     if cfg.policy_name in ex.PLAIN:
         return False
     if fmt == "vllm":
-        return ex.vllm_proposer(cfg) in ("draft", "eagle")
+        return first_proposer(cfg) in ("draft", "eagle")
     if fmt == "hf":
         return ex.hf_proposer(cfg) == "draft"
     return True

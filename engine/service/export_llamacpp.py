@@ -18,8 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from engine.base.names import DATA_DIR, EMBEDDED, EMBEDDED_GGUF, SHIPPED_DRAFT
-from engine.decode.policies import split_spec
-from engine.service.tuned_config import NGRAM_DEFAULTS, TunedConfig, first_proposer, speculative_tokens
+from engine.service.tuned_config import TunedConfig, first_proposer, ngram_options, speculative_tokens
 
 FLAGS_FILE = DATA_DIR / "llamacpp_flags.json"
 CONFIG_FILE = "llamacpp.json"
@@ -53,7 +52,7 @@ def settings(cfg: TunedConfig) -> dict[str, Any]:
     k = speculative_tokens(cfg)
     proposer = first_proposer(cfg)
     if proposer == "ngram":
-        o = {**NGRAM_DEFAULTS, **{key: int(v) for key, v in split_spec(cfg.policy)[2].get("ngram", {}).items()}}
+        o = ngram_options(cfg)
         return {"type": "ngram-simple", "size_n": o["max"], "size_m": k, "min_hits": 1}
     if proposer not in ("draft", "eagle"):
         raise ValueError(f"llama.cpp has no counterpart of SpecLab's {proposer} proposer: export a policy "

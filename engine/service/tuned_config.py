@@ -194,6 +194,13 @@ def first_proposer(cfg: TunedConfig) -> str:
 NGRAM_DEFAULTS = {"max": 3, "min": 1}
 
 
+def ngram_options(cfg: TunedConfig, options: Mapping[str, str] | None = None) -> dict[str, int]:
+    """The n-gram lookup's sizes for `cfg`: NGRAM_DEFAULTS under the spec's `@ngram:max=…,min=…`
+    (`options`: those already split from it)."""
+    given = split_spec(cfg.policy)[2].get("ngram", {}) if options is None else options
+    return {**NGRAM_DEFAULTS, **{k: int(v) for k, v in given.items()}}
+
+
 def default_gamma(name: str, arg: str | None) -> tuple[int, int]:
     """The γ range a policy drafts in when the config names none."""
     if name in PLAIN:
