@@ -300,6 +300,8 @@ def test_llamacpp_export_flags_are_the_pinned_builds():
         render(TunedConfig(engine="llamacpp", policy="fixed:4@suffix"), "llamacpp")
     with pytest.raises(ValueError, match="unknown tier 'fp32' on llama.cpp; known: q4_1, q8_0, bf16, f32"):
         TunedConfig(engine="llamacpp", target_tier="fp32")
+    with pytest.raises(ValueError, match="tuned on the llama.cpp engine; this one runs on torch at fp32: add --engine llamacpp"):
+        render(TunedConfig(policy="fixed:3@draft"), "llamacpp")
 
 
 def test_tiers_and_configs_follow_the_engine():

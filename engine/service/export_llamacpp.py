@@ -17,7 +17,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from engine.base.names import DATA_DIR, EMBEDDED, EMBEDDED_GGUF, SHIPPED_DRAFT
+from engine.base.names import DATA_DIR, EMBEDDED, EMBEDDED_GGUF, GGUF_FORMATS, SHIPPED_DRAFT
 from engine.service.tuned_config import TunedConfig, first_proposer, ngram_options, speculative_tokens
 
 FLAGS_FILE = DATA_DIR / "llamacpp_flags.json"
@@ -49,6 +49,9 @@ def check_flags(args: list[str]) -> None:
 def settings(cfg: TunedConfig) -> dict[str, Any]:
     """llama.cpp's speculative settings for `cfg`: the draft model's (n_max, n_min, p_min), or
     its n-gram lookup's (ngram-simple: the lookup n-gram and the drafted m-gram)."""
+    if cfg.engine != "llamacpp":  # its γ and draft were tuned on another engine's costs
+        raise ValueError(f"the llama.cpp export is of a setting tuned on the llama.cpp engine; this one runs on "
+                         f"{cfg.engine} at {cfg.target_tier}: add --engine llamacpp (formats: {', '.join(GGUF_FORMATS)})")
     k = speculative_tokens(cfg)
     proposer = first_proposer(cfg)
     if proposer == "ngram":
