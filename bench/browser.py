@@ -52,20 +52,29 @@ def default_policy() -> str:
     return DEFAULT_POLICY
 
 
-def _free_port() -> int:
+def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
 
 
+def server_command(port: int) -> list[str]:
+    """The workbench's server on 127.0.0.1:`port`, as `make run` starts it."""
+    return [sys.executable, "-m", "streamlit", "run", str(ROOT / "app.py"), "--server.address", "127.0.0.1",
+            "--server.port", str(port), "--server.headless", "true", "--browser.gatherUsageStats", "false"]
+
+
 @contextlib.contextmanager
-def app_server(env: dict[str, str], port: int | None = None, timeout_s: float = 120.0) -> Iterator[str]:
-    """The workbench on 127.0.0.1 (a fresh port), as `make run` starts it; yields its URL."""
-    port = port or _free_port()
-    cmd = [sys.executable, "-m", "streamlit", "run", str(ROOT / "app.py"), "--server.address", "127.0.0.1",
-           "--server.port", str(port), "--server.headless", "true", "--browser.gatherUsageStats", "false"]
+def app_server(env: dict[str, str], port: int | None = None, timeout_s: float = 120.0,
+               procs: list | None = None) -> Iterator[str]:
+    """The workbench on 127.0.0.1 (a fresh port), as `make run` starts it; yields its URL (its
+    process is appended to `procs`, where given: its memory is read from there)."""
+    port = port or free_port()
+    cmd = server_command(port)
     log = open(os.environ["SPECLAB_APP_LOG"], "wb") if os.environ.get("SPECLAB_APP_LOG") else tempfile.TemporaryFile()
     proc = subprocess.Popen(cmd, cwd=ROOT, env={**os.environ, **env}, stdout=log, stderr=subprocess.STDOUT)
+    if procs is not None:
+        procs.append(proc)
     url = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + timeout_s

@@ -70,17 +70,22 @@ def connect_with_wait(path: str, read_only: bool, wait_s: float) -> duckdb.DuckD
 
 
 def acquire(path: str, read_only: bool, wait_s: float) -> Shared:
-    """The file's shared connection, one more user on it; LockedError if another process holds it."""
+    """The file's shared connection, one more user on it; LockedError if another process holds it,
+    or if this process goes on reading it read-only for `wait_s` while a writer waits (the
+    workbench's pages read briefly: a run finishing meanwhile waits for them, else is staged)."""
     key = os.path.realpath(path)
-    with _REGISTRY_LOCK:  # while waiting too: other threads wanting a file need it anyway
-        shared = _REGISTRY.get(key)
-        if shared is None:
-            shared = _REGISTRY[key] = Shared(connect_with_wait(path, read_only, wait_s), read_only)
-        elif shared.read_only and not read_only:
-            raise StoreError(f"{path} is already open read-only in this process;"
-                             " close those Stores before opening it read-write")
-        shared.users += 1
-        return shared
+    deadline = time.monotonic() + max(wait_s, 0.0)
+    while True:
+        with _REGISTRY_LOCK:  # while connecting too: other threads wanting a file need it anyway
+            shared = _REGISTRY.get(key)
+            if shared is None:
+                shared = _REGISTRY[key] = Shared(connect_with_wait(path, read_only, wait_s), read_only)
+            if read_only or not shared.read_only:
+                shared.users += 1
+                return shared
+        if time.monotonic() >= deadline:
+            raise LockedError(os.getpid())
+        time.sleep(_RETRY_S)
 
 
 def release(path: str) -> None:

@@ -122,6 +122,8 @@ class Store:
                             f" {staging.folder(self._name)}/")
 
     def _locked_text(self, pid: int | None, then: str = "") -> str:
+        if pid == os.getpid():
+            return f"{self._name} is being read in this process{then}"
         holder = f" (pid {pid})" if pid else ""
         return f"{self._name} is locked by another process{holder}{then}"
 

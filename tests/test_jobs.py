@@ -102,3 +102,20 @@ def test_status_line_and_eta_format():
     s = jobs.SweepStatus("n", "db", "running", 3, 12, 0.0, current="ar on chat (fp32): 'Hi'", eta_s=65.2)
     assert s.line() == "3/12 runs · ETA 1:05 · now: ar on chat (fp32): 'Hi'"
     assert jobs.format_eta(3725) == "1:02:05" and jobs.format_eta(0) == "0:00"
+
+
+def test_a_failing_cell_is_stored_as_failed_and_the_serial_sweep_goes_on(tiny_pair, tmp_path):
+    from engine.service import profile, sweep_table
+
+    jobs_ = sweep_jobs(PROMPTS, ["fp32"], ["ar", "fixed:2@eagle", "fixed:2"])  # the tiny pair has no EAGLE head
+    said: list[str] = []
+    with Store(str(tmp_path / "s.duckdb")) as st:
+        assert profile(st, "s", jobs_, lambda tier: tiny_pair, 8, say=said.append) == len(jobs_)
+        runs = st.runs(sweep="s")
+        bad, good = runs[runs["policy"] == "fixed:2@eagle"], runs[runs["policy"] != "fixed:2@eagle"]
+        assert len(bad) == len(PROMPTS) and (bad["stop_reason"] == "error").all() and (bad["n_tokens"] == 0).all()
+        assert bad["error"].str.contains("eagle").all() and not bad["error"].str.contains("\n").any()
+        assert len(good) == 2 * len(PROMPTS) and good["error"].isna().all() and (good["n_tokens"] > 0).all()
+        assert set(sweep_table(runs)["fp32"]["tokens_per_s"]) == {"ar", "fixed:2"}  # failed cells have no speed
+        assert sum("stored as failed" in m for m in said) == len(PROMPTS)
+        assert profile(st, "s", jobs_, lambda tier: tiny_pair, 8) == 0  # a rerun skips the failed cells too

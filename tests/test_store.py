@@ -518,3 +518,37 @@ def test_read_only_on_locked_file_fails_clearly(db: Path, hold: Callable[..., Ho
 def test_store_does_not_import_torch() -> None:
     code = "import sys, store; assert 'torch' not in sys.modules, 'torch imported'"
     subprocess.run([sys.executable, "-c", code], cwd=REPO, check=True, timeout=60)
+
+
+def test_a_writer_waits_for_this_process_readers_then_stages(db: Path) -> None:
+    """A run finishing while another session's page reads the file in this process: it waits
+    for the read to end and writes; a read that outlasts its wait makes it stage (never lost)."""
+    with Store(db) as st:
+        kept = st.add_run(make_run())
+    reading, done = threading.Event(), threading.Event()
+
+    def read(seconds: float) -> None:
+        with Store(db, read_only=True) as ro:
+            reading.set()
+            ro.runs()
+            time.sleep(seconds)
+        done.set()
+
+    t = threading.Thread(target=read, args=(0.3,))
+    t.start()
+    reading.wait(5)
+    with Store(db, wait_s=5.0) as st:  # waits the 0.3 s read out
+        assert done.is_set() and not st.staged
+        second = st.add_run(make_run())
+    t.join()
+    reading.clear()
+    done.clear()
+    t = threading.Thread(target=read, args=(1.0,))
+    t.start()
+    reading.wait(5)
+    with Store(db, wait_s=0.2) as st:  # the read outlasts the wait: staged, with a line saying why
+        assert st.staged and "being read in this process" in st.message
+        third = st.add_run(make_run())
+    t.join()
+    with Store(db) as st:
+        assert st.ingested == [third] and set(st.runs()["run_id"]) == {kept, second, third}

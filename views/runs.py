@@ -97,13 +97,17 @@ def speed_figure(speeds: pd.DataFrame) -> go.Figure:
 
 
 def downloads(runs: pd.DataFrame, steps: pd.DataFrame) -> None:
+    """The four files, each made when its button is clicked (not on every draw of the page: the
+    steps of a large store take seconds to encode), without rerunning the page."""
     c1, c2, c3, c4 = st.columns(4)
-    c1.download_button("Runs (CSV)", V.to_csv_bytes(runs), "runs.csv", "text/csv", key="runs_dl_runs_csv")
-    c2.download_button("Runs (Parquet)", V.to_parquet_bytes(runs), "runs.parquet", "application/octet-stream",
-                       key="runs_dl_runs_parquet")
-    c3.download_button("Steps (CSV)", V.to_csv_bytes(steps), "steps.csv", "text/csv", key="runs_dl_steps_csv")
-    c4.download_button("Steps (Parquet)", V.to_parquet_bytes(steps), "steps.parquet", "application/octet-stream",
-                       key="runs_dl_steps_parquet")
+    files = [(c1, "Runs (CSV)", lambda: V.to_csv_bytes(runs), "runs.csv", "text/csv", "runs_dl_runs_csv"),
+             (c2, "Runs (Parquet)", lambda: V.to_parquet_bytes(runs), "runs.parquet", "application/octet-stream",
+              "runs_dl_runs_parquet"),
+             (c3, "Steps (CSV)", lambda: V.to_csv_bytes(steps), "steps.csv", "text/csv", "runs_dl_steps_csv"),
+             (c4, "Steps (Parquet)", lambda: V.to_parquet_bytes(steps), "steps.parquet", "application/octet-stream",
+              "runs_dl_steps_parquet")]
+    for col, label, data, name, mime, key in files:
+        col.download_button(label, data, name, mime, key=key, on_click="ignore")
 
 
 def show(runs: pd.DataFrame, steps: pd.DataFrame) -> None:

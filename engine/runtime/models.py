@@ -227,6 +227,8 @@ def _loaded(source: str | None, trust_remote_code: bool, kwargs: dict, device: t
             **kwargs
         )
     except (OSError, EnvironmentError) as e:
+        if source and Path(source).is_dir():  # it is there: the reason is something else (a full disk, …)
+            raise ValueError(f"cannot load model {source!r}: {one_line(str(e), limit=200)}") from None
         raise ValueError(
             f"cannot load model {source!r}: not a local model directory nor in the local "
             f"Hugging Face cache ({one_line(str(e), limit=200)})"

@@ -39,6 +39,7 @@ from engine.service.cluster import (
     local_env,
     plan_workers,
 )
+from engine.service.sweeps import failed_row
 from store import Store
 
 if TYPE_CHECKING:  # lab.profiling imports torch; a Job is plain data
@@ -114,14 +115,6 @@ class Worker:
 
 
 # -- the driver --------------------------------------------------------------------------------------
-def failed_row(job: Job, names: dict, reason: str, max_new_tokens: int, chat: bool = True) -> dict:
-    """The `runs` row of a cell that failed: its key, the pair, and the one-line reason."""
-    return dict(target=names["target"], draft=names["draft"], target_tier=job.tier, kv_tier=job.kv_tier,
-                device=names["device"], policy=job.policy, prompt=job.prompt, task=job.task, chat=chat,
-                max_new_tokens=max_new_tokens, n_tokens=0, n_steps=0, stop_reason="error", error=reason,
-                config=dict(draft_tier=names.get("draft_tier")))
-
-
 def check_reuse(st: Store, sweep: str, jobs: list[Job], max_new_tokens: int, names: dict | None = None) -> None:
     """A sweep name resumes only its own cells: stored runs of it that are not among `jobs`, or
     of another length or pair, are a ValueError (nothing is run, nothing stored changes)."""

@@ -83,13 +83,17 @@ class LiveRun:
 
     def _run(self) -> None:
         try:
+            queued_at, t0 = time.time(), time.monotonic()
             with decode_slot("a live decode", lambda busy: self._set(waiting_for=busy)):
+                queue_ms = (time.monotonic() - t0) * 1e3
                 self._set(state="running", waiting_for="")
                 gen = open_generation(self.pair, self.req, self.db, prefix=self.prefix, history=self.history,
                                       measure=False)
                 self._set(costs=gen.policy.costs.describe() if hasattr(gen.policy, "costs") else "", seed=gen.seed)
                 self._decode(gen)
             kept = keep(gen, self.req)
+            # How long this run waited for the model behind other sessions' decodes (bench load reads it).
+            kept.row["config"] = dict(kept.row["config"], queued_at=queued_at, queue_ms=round(queue_ms, 1))
             stored = store_outcome(self.db, kept.row, kept.steps) if self.db else Stored(None, "warning", "not stored: no database")
             self._set(state="stopped" if gen.summary.stop_reason == "stopped" else "finished",
                       summary=asdict(gen.summary), stored=stored, kv_bytes_per_token=gen.kv_bytes_per_token)

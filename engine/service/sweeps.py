@@ -4,7 +4,7 @@ from __future__ import annotations
 import contextlib
 from typing import Any, Callable, ContextManager, Mapping
 
-from engine.base.helpers import csv_list
+from engine.base.helpers import csv_list, one_line
 from engine.base.names import tiers_of
 from engine.base.stats import prompts_for, ratio_ci95
 from engine.decode.policies import NEEDS_CONTEXT, parse_policy, split_spec
@@ -87,6 +87,15 @@ def stored_keys(st: Store, sweep: str) -> set[tuple[str, str, str, str]]:
     return {cell_key(r) for r in st.runs(sweep=sweep).to_dict("records")}
 
 
+def failed_row(job, names: Mapping[str, Any], reason: str, max_new_tokens: int, chat: bool = True) -> dict:
+    """The `runs` row of a sweep cell that failed: its key, the pair (`names`: target, draft,
+    draft_tier, device) and the one-line reason. A rerun of the sweep skips it like any stored cell."""
+    return dict(target=names["target"], draft=names["draft"], target_tier=job.tier, kv_tier=job.kv_tier,
+                device=names["device"], policy=job.policy, prompt=job.prompt, task=job.task, chat=chat,
+                max_new_tokens=max_new_tokens, n_tokens=0, n_steps=0, stop_reason="error", error=reason,
+                config=dict(draft_tier=names.get("draft_tier")))
+
+
 def profile(st: Store, sweep: str, jobs: list, load: Callable[[str], object], max_new_tokens: int,
             on_start: Callable[[int], None] = lambda n: None, on_run: Callable[[], None] = lambda: None,
             say: Callable[[str], None] = lambda m: None,
@@ -94,12 +103,15 @@ def profile(st: Store, sweep: str, jobs: list, load: Callable[[str], object], ma
     """Runs the sweep's jobs that have no stored run in it yet, tier by tier (a tier's pair loads
     once, through `load(tier)`), then KV tier by KV tier (the cost table policies weigh is the
     KV tier's); each run is stored as it finishes, so an interrupted sweep keeps what it did and
-    a rerun resumes. Whatever runs the models (a KV tier's cost measurement, each run) runs inside
+    a rerun resumes. A cell that raises (bad input: a prompt over the context, a policy the pair
+    cannot run) is stored as failed with its one-line reason and the sweep goes on, as on a
+    cluster. Whatever runs the models (a KV tier's cost measurement, each run) runs inside
     `guard(job)`: the workbench takes its decode slot there, and stops a sweep between runs by
     raising from it (engine/service/jobs.py). Returns how many ran."""
     from engine.lab.generation import encode_prompt
     from engine.lab.profiling import pending
-    from engine.service.runs import Request, generate
+    from engine.runtime.models import pair_device
+    from engine.service.runs import Request, keep, open_generation
 
     todo = pending(jobs, stored_keys(st, sweep))
     on_start(len(todo))
@@ -117,7 +129,15 @@ def profile(st: Store, sweep: str, jobs: list, load: Callable[[str], object], ma
                 req = Request(job.prompt, job.policy, task=job.task, max_new_tokens=max_new_tokens,
                               kv_tier=job.kv_tier, sweep=sweep)
                 with guard(job):
-                    generate(pair, req, st, context=ctx)
+                    try:
+                        gen = open_generation(pair, req, None, ctx).run()
+                    except Exception as e:  # noqa: BLE001 - one cell's bad input must not end the sweep
+                        names = dict(target=pair.target_name, draft=pair.draft_name, draft_tier=pair.draft_tier,
+                                     device=pair_device(pair))
+                        st.add_run(dict(failed_row(job, names, one_line(e), max_new_tokens), sweep=sweep), [])
+                        say(f"{job.policy} on {job.prompt[:30]!r} failed, stored as failed: {one_line(e)}")
+                    else:
+                        keep(gen, req, st)
                 on_run()
         del pair
     return len(todo)

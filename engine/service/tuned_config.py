@@ -8,6 +8,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import stat
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping
@@ -298,14 +299,25 @@ def _beside(data: Any, base: Path) -> Any:
     return out
 
 
+# A config is a few hundred bytes; a file far past that is not one (and is not read into memory).
+MAX_CONFIG_BYTES = 1 << 20
+
+
 def load_config(path: str | Path) -> TunedConfig:
     """Reads a SpecLab config: a .json file as JSON, any other as YAML (safe_load: plain data only).
     A target or draft directory named relative to the file is read from beside it."""
     p = Path(path)
     try:
+        info = p.stat()
+        if not stat.S_ISREG(info.st_mode):  # a directory, or a device that never ends (/dev/zero)
+            raise ValueError(f"config {p}: not a regular file")
+        if info.st_size > MAX_CONFIG_BYTES:
+            raise ValueError(f"config {p}: {info.st_size:,} bytes, more than a config holds (at most "
+                             f"{MAX_CONFIG_BYTES:,})")
         text = p.read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError) as e:
-        raise ValueError(f"config {p}: cannot read it ({type(e).__name__}: {e.strerror or e})") from None
+        why = getattr(e, "strerror", None) or e  # a decode error has no strerror
+        raise ValueError(f"config {p}: cannot read it ({type(e).__name__}: {why})") from None
     if p.suffix.lower() == ".json":  # YAML would let JSON's mistakes pass (a trailing comma)
         try:
             data = json.loads(text)
