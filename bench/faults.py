@@ -6,6 +6,8 @@ fills or a second server starts, each on a database of its own.
     retrain killed   `retrain` SIGKILLed half way (by a full retrain's time), beside a version stored before
     disk full        `generate` with no room for its write (the file-size limit of the child)
     second server    the workbench started again on a port one already serves
+    server killed    the workbench's server SIGKILLed while its sweep runs and a Live decode streams,
+                     then restarted: the sweep started again under its name runs only what is left
 
 After each fault the database must open read-write at once (no lock, no temporary file, nothing
 staged left behind), hold every run whole (its steps emit the tokens it says it made) and everything stored
@@ -145,10 +147,11 @@ def inspect(db: Path, o: Outcome) -> dict:
             o.check("every run whole", not broken, f"{len(broken)} run(s) with missing steps")
             ctl = st.controllers()
             versions = sorted({int(v) for v in ctl["version"]}) if len(ctl) else []  # one version spans its models
-            return {"runs": {r["run_id"]: r for r in runs.to_dict("records")}, "versions": versions}
+            return {"runs": {r["run_id"]: r for r in runs.to_dict("records")}, "versions": versions,
+                    "traces": len(st.traces())}
     except Exception as e:  # noqa: BLE001 - any failure to open is the finding
         o.check("opens read-write at once", False, last_line(str(e)))
-        return {"runs": {}, "versions": []}
+        return {"runs": {}, "versions": [], "traces": 0}
 
 
 # -- the faults -----------------------------------------------------------------------------------
@@ -286,14 +289,77 @@ def second_server(model: list[str], work: Path) -> Outcome:
     return o
 
 
-FAULTS = ("sweep", "decode", "retrain", "disk", "server")
+# The page's streamed output once it holds more than its "…" placeholder (tests/test_browser.py's).
+SWEEP_ENDED = re.compile(r"Sweep killed: (\d+)/(\d+) done(?: \((\d+) stored before\))?")
+STREAMED = """() => [...document.querySelectorAll('[data-testid="stText"]')].some(e => e.innerText.trim().length > 1)"""
+
+
+def _open(page, title: str) -> None:
+    page.get_by_role("link", name=title, exact=True).click()
+    page.get_by_role("heading", name=title, exact=True).first.wait_for(timeout=START_S * 1e3)
+    browser.wait_idle(page, START_S)
+
+
+def _start_sweep(page, name: str, per_task: int) -> None:
+    _open(page, "Profile")
+    page.get_by_role("textbox", name="Sweep name").fill(name)
+    page.get_by_role("spinbutton", name="Prompts per task").fill(str(per_task))
+    page.get_by_role("spinbutton", name="Max new tokens").fill("32")
+    page.get_by_role("button", name="Start").click()
+    page.locator('[data-testid="stProgress"]').first.wait_for(timeout=START_S * 1e3)
+
+
+def server_killed(model: list[str], work: Path, per_task: int = 1) -> Outcome:
+    """The workbench's server SIGKILLed while its Profile sweep runs and a Live decode streams, then
+    started again on the same database: what finished is there, nothing half-made, and Start on
+    the same sweep name runs only the cells left."""
+    o, db = Outcome("server killed"), work / "killed.duckdb"
+    env = _model_env(db, model)
+    procs: list = []
+    with browser.app_server(env, procs=procs) as url, browser.chromium_page() as page:
+        page.goto(url, wait_until="networkidle")
+        page.get_by_role("heading", name="Live decode").wait_for(timeout=START_S * 1e3)
+        _start_sweep(page, "killed", per_task)
+        _open(page, "Live decode")
+        page.get_by_label("…or any policy spec").fill("ar")
+        page.get_by_label("Max new tokens").fill("2000")
+        page.get_by_role("button", name="Generate").click()
+        page.wait_for_function(STREAMED, timeout=START_S * 1e3, polling=browser.POLL_MS)
+        o.injected = procs[0].poll() is None
+        procs[0].send_signal(signal.SIGKILL)
+        procs[0].wait()
+    seen = inspect(db, o)
+    mid = seen["runs"]
+    swept = [(r["prompt"], r["policy"]) for r in mid.values() if r.get("sweep") == "killed"]
+    finished = seen["traces"] + len(swept)  # the sweep traces its prompts first, then runs its cells
+    o.check("the killed decode stored nothing", not [r for r in mid.values() if not r.get("sweep")])
+    o.check("the sweep's finished items are there", finished >= 1, "none stored before the kill")
+    with browser.app_server(env) as url, browser.chromium_page() as page:
+        page.goto(url, wait_until="networkidle")
+        page.get_by_role("heading", name="Live decode").wait_for(timeout=START_S * 1e3)
+        _start_sweep(page, "killed", per_task)
+        ended = page.get_by_text(SWEEP_ENDED).first  # the Profile page's line once the sweep has ended
+        ended.wait_for(timeout=600_000)
+        done, total, before = (int(x or 0) for x in SWEEP_ENDED.search(ended.inner_text()).groups())
+        browser.wait_idle(page, START_S)
+    after = inspect(db, o)["runs"]
+    cells = [(r["prompt"], r["policy"]) for r in after.values() if r.get("sweep") == "killed"]
+    o.lost = len(set(mid) - set(after))
+    o.resumed = done == total and len(cells) == len(set(cells)) and before == finished
+    o.line = (f"{finished} of the sweep's {total} items (traces, then runs) stored at the kill; after a restart, "
+              f"Start on the same name ran the other {total - before}, each cell once")
+    return o
+
+
+FAULTS = ("sweep", "decode", "retrain", "disk", "port", "server")
 
 
 def measure(model: list[str], work: Path, faults: tuple[str, ...] = FAULTS, per_task: int = 1, max_new: int = 64,
             long_new: int = 512, say: Callable[[str], None] = lambda m: None) -> list[Outcome]:
     runs = {"sweep": lambda: sweep_killed(model, work, per_task, max_new),
             "decode": lambda: decode_killed(model, work, long_new), "retrain": lambda: retrain_killed(work),
-            "disk": lambda: disk_full(model, work), "server": lambda: second_server(model, work)}
+            "disk": lambda: disk_full(model, work), "port": lambda: second_server(model, work),
+            "server": lambda: server_killed(model, work)}
     out = []
     for name in faults:
         say(f"fault: {name}")
@@ -312,7 +378,7 @@ def report(outcomes: list[Outcome]) -> str:
 def summary(outcomes: list[Outcome]) -> str:
     return (f"faults injected {sum(o.injected for o in outcomes)}/{len(outcomes)}, runs lost "
             f"{sum(o.lost for o in outcomes)}, sweeps resumed "
-            f"{sum(bool(o.resumed) for o in outcomes if o.fault == 'sweep killed')}, database checks passed "
+            f"{sum(bool(o.resumed) for o in outcomes if o.fault in ('sweep killed', 'server killed'))}, database checks passed "
             f"{sum(len(o.checks) for o in outcomes)}/{sum(len(o.checks) + len(o.failed) for o in outcomes)}")
 
 

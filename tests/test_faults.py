@@ -58,3 +58,12 @@ def test_the_report_counts_what_was_injected_and_lost():
     assert faults.summary([ok, bad]) == ("faults injected 2/2, runs lost 1, sweeps resumed 1, "
                                          "database checks passed 2/3")
     assert ok.ok and not bad.ok and "FAILED" in faults.report([ok, bad])
+
+
+@pytest.mark.slow
+def test_a_server_killed_mid_sweep_and_mid_decode_restarts_and_the_sweep_resumes(model, tmp_path):
+    if (why := faults.browser.browser_missing()):
+        pytest.skip(why)
+    o = faults.server_killed(model, tmp_path, per_task=4)
+    _held(o)
+    assert "the killed decode stored nothing" in o.checks and "each cell once" in o.line
