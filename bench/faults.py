@@ -10,9 +10,9 @@ fills or a second server starts, each on a database of its own.
                      then restarted: the sweep started again under its name runs only what is left
 
 After each fault the database must open read-write at once (no lock, no temporary file, nothing
-staged left behind), hold every run whole (its steps emit the tokens it says it made) and everything stored
-before, and the next action must succeed: the sweep resumes, a decode stores, a retrain adds a
-version. Runs lost = runs stored (or seen finished) before the fault that are not there after.
+staged left behind), hold every run whole (its steps emit the tokens it says it made) and
+everything stored before, and the next action must succeed: the sweep resumes, a decode stores,
+a retrain adds a version. Runs lost = runs stored (or seen finished) before the fault that are not there after.
 
     python -m engine bench faults [--json]          (the embedded pair; tests/test_faults.py: the tiny one)"""
 from __future__ import annotations
@@ -38,11 +38,11 @@ from engine.base.names import DATA_DIR
 REPO = Path(__file__).resolve().parents[1]
 SPECKV_CSV = DATA_DIR / "speckv-phase2" / "phase2_step_results.csv"
 SWEEP_POLICIES = "ar,fixed:2,fixed:3"
-START_S = 120.0
+START_S = 120.0  # a child's longest wait for the point its fault is injected at (a cold model load)
 # A full disk, as the child meets it: a file may hold this much (Python's check of its temporary
 # folder writes 4 bytes), so the models load and decode and the database's log cannot take the run.
 FULL_BYTES = 64
-TAKEN = re.compile(r"Port \d+ is (not available|already in use)")  # Streamlit's words for a taken port  # a child's longest wait for the point its fault is injected at (a cold model load)
+TAKEN = re.compile(r"Port \d+ is (not available|already in use)")  # Streamlit's words for a taken port
 
 
 @dataclass
