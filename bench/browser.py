@@ -147,6 +147,24 @@ def wait_idle(page, timeout_s: float) -> None:
         page.wait_for_function(IDLE, timeout=left_ms, polling=POLL_MS)
 
 
+# The Live page's streamed output once it holds more than its "…" placeholder.
+STREAMED = """() => [...document.querySelectorAll('[data-testid="stText"]')].some(e => e.innerText.trim().length > 1)"""
+
+
+def go(page, title: str, click_s: float = 60.0, timeout_s: float = 600.0) -> None:
+    """Open a page from the sidebar's navigation, as a user would, and wait until it is idle."""
+    from playwright.sync_api import TimeoutError as PlaywrightTimeout
+
+    heading = page.get_by_role("heading", name=title, exact=True).first
+    page.get_by_role("link", name=title, exact=True).click()
+    try:
+        heading.wait_for(timeout=click_s * 1e3)
+    except PlaywrightTimeout:  # a click that lands while a run ends in st.rerun() is dropped: click again
+        page.get_by_role("link", name=title, exact=True).click()
+        heading.wait_for(timeout=timeout_s * 1e3)
+    wait_idle(page, timeout_s)
+
+
 def open_live(page, url: str, prompt: str, policy: str, max_new: int, timeout_s: float = 600) -> None:
     """The Live decode page with the prompt, policy and length filled in (kept for later presses)."""
     page.goto(url, wait_until="networkidle")

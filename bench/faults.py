@@ -289,19 +289,12 @@ def second_server(model: list[str], work: Path) -> Outcome:
     return o
 
 
-# The page's streamed output once it holds more than its "…" placeholder (tests/test_browser.py's).
+# The Profile page's line once the sweep named "killed" has ended: done/total, and how many were stored before.
 SWEEP_ENDED = re.compile(r"Sweep killed: (\d+)/(\d+) done(?: \((\d+) stored before\))?")
-STREAMED = """() => [...document.querySelectorAll('[data-testid="stText"]')].some(e => e.innerText.trim().length > 1)"""
-
-
-def _open(page, title: str) -> None:
-    page.get_by_role("link", name=title, exact=True).click()
-    page.get_by_role("heading", name=title, exact=True).first.wait_for(timeout=START_S * 1e3)
-    browser.wait_idle(page, START_S)
 
 
 def _start_sweep(page, name: str, per_task: int) -> None:
-    _open(page, "Profile")
+    browser.go(page, "Profile", timeout_s=START_S)
     page.get_by_role("textbox", name="Sweep name").fill(name)
     page.get_by_role("spinbutton", name="Prompts per task").fill(str(per_task))
     page.get_by_role("spinbutton", name="Max new tokens").fill("32")
@@ -320,11 +313,11 @@ def server_killed(model: list[str], work: Path, per_task: int = 1) -> Outcome:
         page.goto(url, wait_until="networkidle")
         page.get_by_role("heading", name="Live decode").wait_for(timeout=START_S * 1e3)
         _start_sweep(page, "killed", per_task)
-        _open(page, "Live decode")
+        browser.go(page, "Live decode", timeout_s=START_S)
         page.get_by_label("…or any policy spec").fill("ar")
         page.get_by_label("Max new tokens").fill("2000")
         page.get_by_role("button", name="Generate").click()
-        page.wait_for_function(STREAMED, timeout=START_S * 1e3, polling=browser.POLL_MS)
+        page.wait_for_function(browser.STREAMED, timeout=START_S * 1e3, polling=browser.POLL_MS)
         o.injected = procs[0].poll() is None
         procs[0].send_signal(signal.SIGKILL)
         procs[0].wait()

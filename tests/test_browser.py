@@ -33,8 +33,6 @@ pytestmark = pytest.mark.slow
 if (why := B.browser_missing()):
     pytest.skip(f"no real-browser test here: {why}", allow_module_level=True)
 
-from playwright.sync_api import TimeoutError as PlaywrightTimeout  # noqa: E402 - installed, as checked above
-
 
 @pytest.fixture(scope="module")
 def session(tmp_path_factory):
@@ -47,15 +45,7 @@ def session(tmp_path_factory):
 
 
 def _go(page, url: str, title: str) -> None:
-    """Open a page from the sidebar's navigation, as a user would."""
-    heading = page.get_by_role("heading", name=title, exact=True).first
-    page.get_by_role("link", name=title, exact=True).click()
-    try:
-        heading.wait_for(timeout=CLICK_MS)
-    except PlaywrightTimeout:  # a click that lands while a run ends in st.rerun() is dropped: click again
-        page.get_by_role("link", name=title, exact=True).click()
-        heading.wait_for(timeout=TIMEOUT_MS)
-    B.wait_idle(page, TIMEOUT_MS / 1e3)
+    B.go(page, title, CLICK_MS / 1e3, TIMEOUT_MS / 1e3)
 
 
 def _no_error(page) -> None:
@@ -68,8 +58,6 @@ def _no_error(page) -> None:
 # The issue's bars for a newcomer's first Generate here, with nothing else running (printed; the
 # assertions allow twice as much: another test file may run beside this one under `make test`).
 FIRST_TOKENS_S, FIRST_RUN_S = 15, 60
-# The streamed output (the page's one st.text) once it holds more than the "…" placeholder.
-STREAMED = """() => [...document.querySelectorAll('[data-testid="stText"]')].some(e => e.innerText.trim().length > 1)"""
 
 
 def _stored_after(page, before: str, timeout_s: float) -> None:
@@ -86,7 +74,7 @@ def test_a_newcomers_first_generate_starts_at_once_and_stop_stops(session):
     page.get_by_role("heading", name="Live decode").wait_for(timeout=TIMEOUT_MS)
     t0 = time.monotonic()
     page.get_by_role("button", name="Generate").click()
-    page.wait_for_function(STREAMED, timeout=TIMEOUT_MS, polling=B.POLL_MS)
+    page.wait_for_function(B.STREAMED, timeout=TIMEOUT_MS, polling=B.POLL_MS)
     first = time.monotonic() - t0
     _stored_after(page, "", TIMEOUT_MS / 1e3)
     done = time.monotonic() - t0
