@@ -1,6 +1,7 @@
 """The Live page's decode on a thread of its own (engine/service/live_runs.py): Stop is heard
 between two steps and the run is stored as stopped; a bad request fails before any thread starts.
 The page's Stop button itself is pressed in a real browser (tests/test_browser.py)."""
+import json
 import time
 
 import pytest
@@ -48,3 +49,31 @@ def test_a_failing_run_is_one_line_and_stores_nothing(tiny_pair, tmp_path):
     snap = run.wait(60)
     assert snap.state == "failed" and "\n" not in snap.error and "context" in snap.error, snap.error
     assert not db.exists()
+
+
+def test_live_runs_pressed_together_take_turns_and_match_their_solo_runs(tiny_pair, tmp_path):
+    """Three sessions' decodes at once advance a step each in turn (engine/lab/slots.stepped):
+    each makes exactly what it makes alone, greedy and sampled, at any KV tier; each is stored
+    once with its waits; and its wall time is its own (the turns it waited are not in it)."""
+    from engine.runtime.prefix_cache import PrefixCache
+    from engine.service.runs import generate
+
+    reqs = [Request("Write a haiku about the sea.", "fixed:3", max_new_tokens=24, seed=1),
+            Request("List three prime numbers.", "ar", max_new_tokens=24, kv_tier="int8", seed=2),
+            Request("Explain recursion briefly.", "fixed:2", max_new_tokens=24, temperature=0.8, seed=3)]
+    solo = [generate(tiny_pair, r, prefix=PrefixCache())[0].token_ids for r in reqs]
+    db, prefix = tmp_path / "x.duckdb", PrefixCache()
+    t0 = time.monotonic()
+    runs = [start_live(tiny_pair, r, str(db), prefix=prefix) for r in reqs]
+    snaps = [r.wait(120) for r in runs]
+    together_ms = (time.monotonic() - t0) * 1e3
+    assert [s.state for s in snaps] == ["finished"] * 3, [s.error for s in snaps]
+    assert [s.token_ids for s in snaps] == solo
+    with Store(db) as st:
+        stored = st.runs()
+    assert sorted(stored["n_tokens"]) == sorted(len(t) for t in solo)
+    configs = [json.loads(c) if isinstance(c, str) else c for c in stored["config"]]
+    assert all({"queued_at", "queue_ms", "turns_ms"} <= set(c) for c in configs)
+    # Each run's wall time leaves out the turns it waited: the three, summed, fit in the time all
+    # three took together (had each counted the others' steps, the sum would be near three times it).
+    assert sum(stored["wall_ms"]) <= together_ms, (list(stored["wall_ms"]), together_ms)

@@ -100,6 +100,24 @@ def test_a_sampling_run_reproduces_from_its_seed(pair):
     assert a.token_ids == b.token_ids
 
 
+def test_runs_in_turns_make_what_each_makes_alone(pair):
+    """Sessions' decodes advance a step each in turn (engine/lab/slots.stepped): each verifier
+    leases a llama.cpp context of its own, so two runs interleaved step by step make exactly
+    what each makes alone."""
+    specs = [(PROMPTS[0], "fixed:3@draft", {}), (PROMPTS[1], "fixed:3@suffix", {"temperature": 0.8, "seed": 5})]
+    alone = [_run(pair, p, spec, **cfg).token_ids for p, spec, cfg in specs]
+    live = {i: iter(Generation(pair, encode_prompt(pair.tokenizer, p, chat=True), make_policy(spec, synthetic_context()),
+                               GenConfig(max_new_tokens=MAX_NEW, **cfg))) for i, (p, spec, cfg) in enumerate(specs)}
+    made: list[list[int]] = [[] for _ in specs]
+    while live:
+        for i, g in list(live.items()):  # a step each, in turn
+            if (rec := next(g, None)) is None:
+                del live[i]
+            else:
+                made[i].extend(rec.token_ids)
+    assert made == alone
+
+
 def test_kv_tiers_are_llama_cpps_cache_types(pair):
     g = _run(pair, PROMPTS[0], "fixed:3@draft", kv_tier="q8_0")
     assert g.kv_bytes_per_token == llamacpp.LlamaModel.kv_bytes_per_token(pair.target, "q8_0")

@@ -229,10 +229,10 @@ def follow(run: LiveRun) -> LiveSnapshot:
     """Draws the run while it goes, from this script run: Stop, a status line and the text once a
     second, the figure every CHART_INTERVAL_S (not in a run's first seconds: a short run ends
     before, and drawing a six-panel figure in the browser while it decoded cost it a quarter of its
-    speed). Returns the ended run's snapshot. Stop is a widget of the page, not of a fragment: its
-    press asks for a rerun that preempts this loop at its next draw (a fragment's own button would
-    wait for the fragment's run to end), and its callback, run first in the new script run, sets the
-    decode's stop event. Polling from a fragment every second instead cost the decode a third of
+    speed; nor while other sessions' decodes take turns with this one). Returns the ended run's
+    snapshot. Stop is a widget of the page, not of a fragment: its press asks for a rerun that
+    preempts this loop at its next draw (a fragment's own button would wait for the fragment's run
+    to end), and its callback, run first in the new script run, sets the decode's stop event. Polling from a fragment every second instead cost the decode a third of
     its speed beside another job (a fragment rerun is a script run for the browser and the server)."""
     st.html(CALM_CSS)
     st.button("Stop", key="live_stop", icon=":material/stop:", on_click=run.stop,
@@ -245,7 +245,10 @@ def follow(run: LiveRun) -> LiveSnapshot:
             status_ph.caption(_status(run, snap))
             text_ph.text(run.pair.tokenizer.decode(snap.token_ids, skip_special_tokens=True) or "…", width="stretch")
             last_text = now
-        if len(snap.steps) > drawn and now - snap.started_at >= CHART_INTERVAL_S and now - last_chart >= CHART_INTERVAL_S:
+        # Not while the model is shared: every session's runs would redraw their figures at once,
+        # and the pages others open would wait behind those draws (the figure comes at the end).
+        if (len(snap.steps) > drawn and now - snap.started_at >= CHART_INTERVAL_S
+                and now - last_chart >= CHART_INTERVAL_S and not run.shared()):
             drawn, last_chart = len(snap.steps), now
             chart_ph.plotly_chart(StepChart.of(snap.steps), key=f"live_chart_{drawn}")
         time.sleep(POLL_S)
@@ -286,6 +289,8 @@ def show_result(run: LiveRun, snap: LiveSnapshot) -> None:
     cols[5].metric("Prefix reuse", s["prefix_hit"], f"{s['reused_tokens']} tokens reused", delta_color="off")
     cols[6].metric("Stop reason", STOP_LABELS.get(s["stop_reason"], s["stop_reason"]))
     st.caption(f"{_label(run, snap)} · {s['n_tokens']} tokens in {s['n_steps']} steps, {s['wall_ms']:.0f} ms wall"
+               + (f" (its own; {snap.turns_ms / 1e3:.1f} s more while other sessions' decodes took their turns)"
+                  if snap.turns_ms >= 100 else "")
                + (f" · costs: {snap.costs}" if snap.costs else ""))
     p = run.prefix.stats() if run.prefix is not None else None
     if p:

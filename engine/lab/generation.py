@@ -106,18 +106,22 @@ class Generation:
                           getattr(self.policy, "proposer_options", None), seen)
         budget = min(cfg.max_new_tokens, pair.max_context - n_prompt)
         clock = WallClock(pair.device)
-        t_start = clock()
+        t_start, paused = clock(), 0.0
+        # The run's wall time is its own: while the consumer holds it paused at a yield (another
+        # session's step in the decode slot, an offload) the clock does not count for it.
         with torch.inference_mode():
             try:
                 for rec in decode(proposers, verifier, self.policy, Setting(n_prompt, budget, pair.target_tier, cfg.kv_tier), clock):
                     self.records.append(rec)
                     self.token_ids.extend(rec.token_ids)
+                    t_yield = clock()
                     yield rec
+                    paused += clock() - t_yield
             except GeneratorExit:  # the consumer stopped early (a Stop button): what ran is a run too
                 if self.records:
-                    self.summary = summarize(self.records, clock() - t_start, "stopped", verifier.hit.kind)
+                    self.summary = summarize(self.records, clock() - t_start - paused, "stopped", verifier.hit.kind)
                 raise
-            wall_ms = clock() - t_start
+            wall_ms = clock() - t_start - paused
             verifier.ensure_cache()  # paused after its last token: the cache is still away
             self.kv_bytes_per_token = verifier.held_bytes_per_token()
             if prefix is not None:  # after the clock: storing is for the next request

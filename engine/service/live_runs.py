@@ -5,8 +5,9 @@ fragment's run (its rerun waits for the run to end): a Stop must reach a decode 
 Here it is heard within one step, and the run is then stored like any other. Leaving the page does
 not end the run either.
 
-The run takes the process's decode slot (engine/lab/slots.py) for its whole length, reads what its
-policy needs without measuring anything (a missing cost table is probed in seconds), and after the
+The run takes the process's decode slot (engine/lab/slots.py) one step at a time, in turns with
+the other sessions' decodes, reads what its policy needs without measuring anything (a missing
+cost table is probed in seconds), and after the
 run, where the costs were probed or lack the contexts the run reached, starts the background cost
 measurement (service/cost_jobs.py). Torch-free at import."""
 from __future__ import annotations
@@ -18,10 +19,12 @@ from typing import Any
 
 from engine.base.helpers import one_line
 from engine.decode.policies import NEEDS_CONTEXT, parse_policy
-from engine.lab.slots import decode_slot
+from engine.lab.slots import decode_slot, queued, stepped
 from engine.service.cost_jobs import MEASURER
 from engine.service.cost_tables import reach
 from engine.service.runs import Request, Stored, check, keep, open_generation, store_outcome
+
+LIVE = "a live decode"  # what the decode slot says holds it
 
 
 @dataclass
@@ -41,6 +44,7 @@ class LiveSnapshot:
     seed: int | None = None
     kv_bytes_per_token: int | None = None
     started_at: float = field(default_factory=time.monotonic)
+    turns_ms: float = 0.0  # how long it waited, after its first turn, while other decodes took theirs
 
     @property
     def done(self) -> bool:
@@ -70,7 +74,11 @@ class LiveRun:
         with self._lock:
             s = self._snap
             return LiveSnapshot(s.state, list(s.steps), list(s.token_ids), s.waiting_for, s.costs, s.error,
-                                s.summary, s.stored, s.seed, s.kv_bytes_per_token, s.started_at)
+                                s.summary, s.stored, s.seed, s.kv_bytes_per_token, s.started_at, s.turns_ms)
+
+    def shared(self) -> bool:
+        """Whether other decodes wait for the model now (this run takes turns with them)."""
+        return queued() > 0
 
     def wait(self, timeout_s: float | None = None) -> LiveSnapshot:
         self._thread.join(timeout_s)
@@ -83,26 +91,31 @@ class LiveRun:
 
     def _run(self) -> None:
         try:
-            queued_at, t0 = time.time(), time.monotonic()
-            with decode_slot("a live decode", lambda busy: self._set(waiting_for=busy)):
-                queue_ms = (time.monotonic() - t0) * 1e3
+            queued: list[float] = []
+            with decode_slot(LIVE, lambda busy: self._set(waiting_for=busy), on_queued=queued.append):
+                queued_at = queued[0]  # the first turn: the run's setup
+                queue_ms = (time.time() - queued_at) * 1e3
                 self._set(state="running", waiting_for="")
                 gen = open_generation(self.pair, self.req, self.db, prefix=self.prefix, history=self.history,
                                       measure=False)
-                self._set(costs=gen.policy.costs.describe() if hasattr(gen.policy, "costs") else "", seed=gen.seed)
-                self._decode(gen)
+            self._set(costs=gen.policy.costs.describe() if hasattr(gen.policy, "costs") else "", seed=gen.seed)
+            turns: list[float] = []
+            self._decode(gen, turns)
             kept = keep(gen, self.req)
-            # How long this run waited for the model behind other sessions' decodes (bench load reads it).
-            kept.row["config"] = dict(kept.row["config"], queued_at=queued_at, queue_ms=round(queue_ms, 1))
+            # How long this run waited for the model: before its first turn, and in its later turns
+            # while other sessions' steps ran (bench load reads both).
+            kept.row["config"] = dict(kept.row["config"], queued_at=queued_at, queue_ms=round(queue_ms, 1),
+                                      turns_ms=round(sum(turns), 1))
             stored = store_outcome(self.db, kept.row, kept.steps) if self.db else Stored(None, "warning", "not stored: no database")
             self._set(state="stopped" if gen.summary.stop_reason == "stopped" else "finished",
-                      summary=asdict(gen.summary), stored=stored, kv_bytes_per_token=gen.kv_bytes_per_token)
+                      summary=asdict(gen.summary), stored=stored, kv_bytes_per_token=gen.kv_bytes_per_token,
+                      turns_ms=sum(turns))
             self._measure_after(gen)
         except BaseException as e:  # noqa: BLE001 - the page shows it as one line
             self._set(state="failed", error=one_line(e))
 
-    def _decode(self, gen) -> None:
-        it = iter(gen)
+    def _decode(self, gen, turns: list[float]) -> None:
+        it = stepped(gen, LIVE, waited=turns.append)
         for rec in it:
             row = asdict(rec)
             row["why"] = getattr(gen.policy, "why", "") if rec.step else "prefill"

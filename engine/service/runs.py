@@ -16,7 +16,7 @@ from typing import Any, Callable, Collection, Sequence
 from engine.base.helpers import one_line
 from engine.decode.policies import DEFAULT_POLICY, NEEDS_CONTEXT, make_policy, parse_policy
 from engine.lab.side_by_side import Result, check_policies, shared_seed
-from engine.lab.slots import decode_slot
+from engine.lab.slots import stepped
 from engine.oracles.suffix import SUFFIX_BUDGET, SuffixHistory, check_budget, prompt_key
 from engine.service.cost_tables import context_for, reach
 from store import Store
@@ -118,8 +118,9 @@ def keep(gen, req: Request, db: "str | Store | None" = None, wait_s: float = 10.
 def run_policies(pair, prompts: Sequence[str], policies: Sequence[str], req: Request, ctx_for: Callable[[str], Any],
                  prefix=None, on_run: Callable[[Result], None] = lambda r: None,
                  on_wait: Callable[[str], None] = lambda busy: None, history=None) -> list[Result]:
-    """Compare's runs: every policy on every prompt, prompt-major, one run at a time, each inside
-    the decode slot (`on_wait(holder)` is called when another decode holds it), each from `req`
+    """Compare's runs: every policy on every prompt, prompt-major, one run at a time, each taking
+    the decode slot step by step (`on_wait(holder)` is called when another decode holds it at a
+    run's first step: slots.stepped), each from `req`
     with its prompt and policy. `ctx_for(spec)` gives the PolicyContext a spec needs (None for
     most). Each policy gets a fresh Policy per run (adaptive ones learn within a run) and the same
     config, seed included. `on_run` sees each run as it ends (the page stores it there). A prefix
@@ -139,8 +140,8 @@ def run_policies(pair, prompts: Sequence[str], policies: Sequence[str], req: Req
         for spec in specs:
             one = replace(req, prompt=prompt, policy=spec)
             gen = open_generation(pair, one, context=ctx_for(spec), prefix=prefix, history=before)
-            with decode_slot(f"a comparison ({spec})", on_wait):
-                gen.run()
+            for _ in stepped(gen, f"a comparison ({spec})", on_wait):  # in turns with other sessions' decodes
+                pass
             outputs.setdefault(prompt_key(gen.prompt_ids), gen.token_ids)
             kept = keep(gen, one)
             res = Result(spec, prompt, i, kept.row, kept.steps)
