@@ -179,6 +179,36 @@ def test_a_longer_run_extends_the_stored_table_and_keeps_what_was_measured(tiny_
         assert cost_table(st, tiny_pair, context=50).buckets == [8, 32, 64] and asked[2:] == [(64,)]
 
 
+def test_a_table_measured_in_turns_takes_the_slot_per_bucket(tiny_pair, monkeypatch):
+    """service.measure_in_turns (a sweep's and a comparison's cost measurement): each hold of the
+    decode slot measures one bucket (a new table's first two), so a decode pressed meanwhile
+    waits for a bucket; afterwards the table covers the reach and nothing is measured again."""
+    import contextlib
+
+    from engine.lab import profiling
+    from engine.service import cost_table, measure_in_turns, reach
+    from store import Store
+
+    asked, held = [], []
+
+    def spy(pair, buckets, **kw):
+        asked.append((len(held), buckets))
+        return measure_costs(pair, buckets, 1, **kw)
+
+    @contextlib.contextmanager
+    def hold():
+        held.append(True)
+        yield
+
+    monkeypatch.setattr(profiling, "measure_costs", spy)
+    with Store(":memory:") as st:
+        measure_in_turns(st, tiny_pair, "native", reach(500, 128), hold)
+        assert asked == [(1, (64, 256)), (2, (512,)), (3, (1024,))] and len(held) == 3
+        assert cost_table(st, tiny_pair, context=reach(500, 128)).buckets == [64, 256, 512, 1024]
+        measure_in_turns(st, tiny_pair, "native", reach(500, 128), hold)
+        assert len(asked) == 3 and len(held) == 3  # nothing lacking: the slot is not even taken
+
+
 def test_long_contexts_are_measured_with_fewer_rounds():
     from engine.decode.costs import CONTEXT_BUCKETS, LONG_CONTEXT, REPS, reps_at
 

@@ -2,8 +2,9 @@
 then read from the store; calibrated to stored live steps; the PolicyContext `speckv`/`rakv` need."""
 from __future__ import annotations
 
+import contextlib
 import statistics
-from typing import Callable
+from typing import Any, Callable, ContextManager
 
 from engine.base.names import COST_KEY
 from engine.decode.acceptance import Predictor
@@ -95,6 +96,23 @@ def missing_buckets(store: Store, pair, kv_tier: str = "native", context: int | 
     if have is None:
         return buckets_for(context, pair.max_context)
     return _lacking(have, context, pair.max_context)
+
+
+def measure_in_turns(db: "str | Store", pair, kv_tier: str, context: int | None,
+                     hold: Callable[[], ContextManager[Any]], say: Callable[[str], None] = lambda m: None) -> None:
+    """Measures (and stores) what `db` (a path or an open Store) lacks for runs up to `context`
+    tokens, one context bucket (a new table's first two) inside each `hold()` (the decode slot,
+    taken per bucket): a decode pressed meanwhile waits for a bucket, not for the whole table.
+    `cost_table` then finds the table whole."""
+    with contextlib.ExitStack() as stack:
+        st = db if isinstance(db, Store) else stack.enter_context(Store(db))
+        missing = missing_buckets(st, pair, kv_tier, context)
+        while missing:
+            with hold():
+                cost_table(st, pair, say, kv_tier, missing[0])  # the buckets up to this one it lacks
+            left = missing_buckets(st, pair, kv_tier, context)
+            assert len(left) < len(missing), (left, missing)
+            missing = left
 
 
 def measure_missing(db: str, pair, kv_tier: str = "native", context: int | None = None,

@@ -9,7 +9,7 @@ from engine.base.names import tiers_of
 from engine.base.stats import prompts_for, ratio_ci95
 from engine.decode.policies import NEEDS_CONTEXT, parse_policy, split_spec
 from engine.lab.whatif import tier_label
-from engine.service.cost_tables import policy_context, reach
+from engine.service.cost_tables import measure_in_turns, policy_context, reach
 from store import Store
 
 TRACE_POLICIES = "ar,fixed:1,fixed:2,fixed:3,fixed:4,fixed:6,fixed:8,heuristic,rules,speckv,rakv"
@@ -105,9 +105,9 @@ def profile(st: Store, sweep: str, jobs: list, load: Callable[[str], object], ma
     KV tier's); each run is stored as it finishes, so an interrupted sweep keeps what it did and
     a rerun resumes. A cell that raises (bad input: a prompt over the context, a policy the pair
     cannot run) is stored as failed with its one-line reason and the sweep goes on, as on a
-    cluster. Whatever runs the models (a KV tier's cost measurement, each run) runs inside
-    `guard(job)`: the workbench takes its decode slot there, and stops a sweep between runs by
-    raising from it (engine/service/jobs.py). Returns how many ran."""
+    cluster. Whatever runs the models (each bucket of a KV tier's cost measurement, each run)
+    runs inside `guard(job)`: the workbench takes its decode slot there, and stops a sweep between
+    runs by raising from it (engine/service/jobs.py). Returns how many ran."""
     from engine.lab.generation import encode_prompt
     from engine.lab.profiling import pending
     from engine.runtime.models import pair_device
@@ -120,11 +120,13 @@ def profile(st: Store, sweep: str, jobs: list, load: Callable[[str], object], ma
         for kv_tier in dict.fromkeys(j.kv_tier for j in todo if j.tier == tier):
             mine = [j for j in todo if j.tier == tier and j.kv_tier == kv_tier]
             learned = any(parse_policy(j.policy)[0] in NEEDS_CONTEXT for j in mine)
-            with guard(mine[0]):
-                ctx = None
-                if learned:  # priced up to the longest prompt's reach (encoded as Request's chat default does)
-                    longest = max(len(encode_prompt(pair.tokenizer, j.prompt, True)) for j in mine)
-                    ctx = policy_context(st, pair, say, kv_tier, reach(longest, max_new_tokens))
+            ctx = None
+            if learned:  # priced up to the longest prompt's reach (encoded as Request's chat default does)
+                longest = max(len(encode_prompt(pair.tokenizer, j.prompt, True)) for j in mine)
+                upto = reach(longest, max_new_tokens)
+                measure_in_turns(st, pair, kv_tier, upto, lambda: guard(mine[0]), say)
+                with guard(mine[0]):
+                    ctx = policy_context(st, pair, say, kv_tier, upto)
             for job in mine:
                 req = Request(job.prompt, job.policy, task=job.task, max_new_tokens=max_new_tokens,
                               kv_tier=job.kv_tier, sweep=sweep)
