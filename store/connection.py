@@ -44,6 +44,20 @@ _REGISTRY: dict[str, Shared] = {}
 _REGISTRY_LOCK = threading.Lock()
 
 
+def file_stamp(path: str) -> tuple:
+    """What changes with every commit to the file at `path`: its and its write-ahead log's size and
+    modification time (a commit appends to the log; a checkpoint rewrites the file and drops the
+    log). Readers key what they derive from the file on it."""
+    out = []
+    for p in (path, f"{path}.wal"):
+        try:
+            st = os.stat(p)
+            out.append((st.st_size, st.st_mtime_ns))
+        except OSError:
+            out.append(None)
+    return tuple(out)
+
+
 def unreadable(path: str, exc: Exception) -> StoreError:
     return StoreError(f"{path} is not a readable DuckDB database ({reason(exc)}); it was left untouched")
 

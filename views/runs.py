@@ -13,9 +13,11 @@ import streamlit as st
 from plotly.subplots import make_subplots
 
 from engine.service import runs_view as V
-from store import Store
+from store import Store, file_stamp
 from views.common import settings, show_error
 
+# Past this many steps the steps' CSV is made when its button is clicked (it takes seconds).
+EAGER_STEPS = 20_000
 # The runs table's columns (the rest, lists and config, are in the downloads).
 RUN_COLUMNS = ["created_at", "policy", "target_tier", "kv_tier", "task", "prompt", "n_tokens", "tokens_per_s",
                "ttft_ms", "acceptance_rate", "tokens_per_step", "stop_reason", "sweep", "source", "run_id"]
@@ -28,14 +30,21 @@ def _empty(what: str) -> None:
     c2.page_link("views/profile.py", label="Profile: a sweep of runs", icon=":material/timer:")
 
 
+@st.cache_data(max_entries=4, show_spinner=False)
+def _read(db: str, stamp: tuple) -> tuple[pd.DataFrame, pd.DataFrame]:
+    """The store's runs and steps as of `stamp` (store.file_stamp): read once per commit, however
+    many sessions open the page meanwhile (under load each read shares the cores with decodes)."""
+    with Store(db, read_only=True, wait_s=3.0) as s:
+        return s.runs(), s.steps()
+
+
 def load(db: str) -> tuple[pd.DataFrame, pd.DataFrame] | None:
     """(runs, steps); None when there is no file yet (not an error) or after an error (shown)."""
     if not os.path.exists(db):
         _empty(f"No database at {db} yet")
         return None
     try:
-        with Store(db, read_only=True, wait_s=3.0) as s:
-            return s.runs(), s.steps()
+        return _read(db, file_stamp(db))
     except Exception as e:  # noqa: BLE001 - one line, never a traceback; the file is left as it is
         show_error(e)
         return None
@@ -96,21 +105,38 @@ def speed_figure(speeds: pd.DataFrame) -> go.Figure:
     return fig
 
 
-def downloads(runs: pd.DataFrame, steps: pd.DataFrame) -> None:
-    """The four files, each made when its button is clicked (not on every draw of the page: the
-    steps of a large store take seconds to encode), without rerunning the page."""
+@st.cache_data(max_entries=8, show_spinner=False)
+def _encoded(db: str, stamp: tuple, chosen: tuple, encode: str, which: str) -> bytes:
+    """One download's bytes for the runs `chosen` (their ids) as of `stamp`: encoded once per
+    commit and selection, whichever session asks."""
+    runs, steps = _read(db, stamp)
+    runs = runs[runs["run_id"].isin(chosen)]
+    table = runs if which == "runs" else V.steps_of(steps, runs)
+    return V.to_csv_bytes(table) if encode == "csv" else V.to_parquet_bytes(table)
+
+
+def downloads(db: str, runs: pd.DataFrame, steps: pd.DataFrame) -> None:
+    """The four files, their bytes on the page. Not made on click (a callable's file): Streamlit
+    drops a file made on click once two other script runs end, and with several sessions at work
+    that is often before the browser has fetched it (the download is cancelled). The bytes are
+    cached per commit and selection; only the steps as CSV of a large selection (seconds to
+    encode) wait for the click."""
+    stamp, chosen = file_stamp(db), tuple(runs["run_id"])
     c1, c2, c3, c4 = st.columns(4)
-    files = [(c1, "Runs (CSV)", lambda: V.to_csv_bytes(runs), "runs.csv", "text/csv", "runs_dl_runs_csv"),
-             (c2, "Runs (Parquet)", lambda: V.to_parquet_bytes(runs), "runs.parquet", "application/octet-stream",
-              "runs_dl_runs_parquet"),
-             (c3, "Steps (CSV)", lambda: V.to_csv_bytes(steps), "steps.csv", "text/csv", "runs_dl_steps_csv"),
-             (c4, "Steps (Parquet)", lambda: V.to_parquet_bytes(steps), "steps.parquet", "application/octet-stream",
+    files = [(c1, "Runs (CSV)", "csv", "runs", "runs.csv", "text/csv", "runs_dl_runs_csv"),
+             (c2, "Runs (Parquet)", "parquet", "runs", "runs.parquet", "application/octet-stream", "runs_dl_runs_parquet"),
+             (c3, "Steps (CSV)", "csv", "steps", "steps.csv", "text/csv", "runs_dl_steps_csv"),
+             (c4, "Steps (Parquet)", "parquet", "steps", "steps.parquet", "application/octet-stream",
               "runs_dl_steps_parquet")]
-    for col, label, data, name, mime, key in files:
+    for col, label, encode, which, name, mime, key in files:
+        if which == "steps" and encode == "csv" and len(steps) > EAGER_STEPS:
+            data = (lambda: V.to_csv_bytes(steps))
+        else:
+            data = _encoded(db, stamp, chosen, encode, which)
         col.download_button(label, data, name, mime, key=key, on_click="ignore")
 
 
-def show(runs: pd.DataFrame, steps: pd.DataFrame) -> None:
+def show(db: str, runs: pd.DataFrame, steps: pd.DataFrame) -> None:
     if not len(runs):
         _empty("No runs stored yet")
         return
@@ -149,11 +175,12 @@ def show(runs: pd.DataFrame, steps: pd.DataFrame) -> None:
 
     st.subheader("Runs")
     st.dataframe(chosen[[c for c in RUN_COLUMNS if c in chosen.columns]], hide_index=True, width="stretch")
-    downloads(chosen, picked)
+    downloads(db, chosen, picked)
 
 
 st.title("Runs")
 st.caption("Every stored run and step, filtered and plotted; download what you see.")
-loaded = load(settings().db)
+db = settings().db
+loaded = load(db)
 if loaded is not None:
-    show(*loaded)
+    show(db, *loaded)
