@@ -7,10 +7,11 @@ on one server on 127.0.0.1, doing a tuner's actions at once for a fixed number o
     what-if    Compare's What-if tab replaying policies over the stored traces
     profile    (session 0, first round) a Profile sweep started; it runs beside everything else
 
-It prints per action the median and p95 latency, the Live runs' wait for the decode slot (and
-whether any run was overtaken by one queued after it), every page error, the server's memory after
-the first pair load and after each session count, and checks the database at the end: every run a
-session saw stored is stored once, and the stored live runs are exactly those.
+It prints per action the median and p95 latency, the Live runs' wait for their first turn in the
+decode slot (in seconds and in decodes; whether any run was overtaken by one queued after it),
+every page error, the server's memory after the first pair load and after each session count, and
+checks the database at the end: every run a session saw stored is stored once, and the stored live
+runs are exactly those.
 
     python -m engine bench load [--sessions 2,4,8] [--rounds 2] [--json]
 
@@ -20,6 +21,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import random
 import re
 import statistics
 import sys
@@ -31,8 +33,17 @@ from pathlib import Path
 from bench import browser as B
 
 TIMEOUT_MS = 900_000
+# A session pauses this long (seconds, uniform, seeded per session) before each action, as a user
+# reads what the last one showed. Without pauses, sessions that take turns at the model end their
+# decodes together and open the same page in the same instant, every browser on these two cores.
+THINK_S = (1.0, 4.0)
 LIVE_POLICY = "fixed:2"  # a fixed γ: every session's run costs the same, whatever was stored before
 RUN_ID = re.compile(r"Stored as run (\S+)")
+# The long waits (a decode, a comparison) look at the page once a second: eight tabs each polling
+# every 250 ms took a core of the two from the server they measure (a user's browser never polls).
+WAIT_POLL_MS = 1000
+COMPARED = """() => [...document.querySelectorAll('[data-testid^="stAlertContent"]')]
+    .some(e => e.textContent.includes('identical'))"""
 
 
 @dataclass
@@ -106,7 +117,7 @@ async def live(page, s: Session, prompt: str, max_new: int) -> None:
     async def generate():
         await page.get_by_role("button", name="Generate").click()
         await page.wait_for_function(f"(before) => {{ const t = ({B.STORED_LINE})(); return t && t !== before; }}",
-                                     arg=before, timeout=TIMEOUT_MS, polling=B.POLL_MS)
+                                     arg=before, timeout=TIMEOUT_MS, polling=WAIT_POLL_MS)
 
     await _timed(s, "live", generate)
     line = await page.evaluate(B.STORED_LINE)
@@ -138,7 +149,7 @@ async def compare(page, s: Session, max_new: int) -> None:
 
     async def run():
         await page.get_by_role("button", name="Compare", exact=True).click()
-        await page.get_by_text("identical", exact=False).first.wait_for(timeout=TIMEOUT_MS)
+        await page.wait_for_function(COMPARED, timeout=TIMEOUT_MS, polling=WAIT_POLL_MS)
         await _idle(page)
 
     await _timed(s, "compare", run)
@@ -171,19 +182,25 @@ async def profile(page, s: Session) -> None:
     await _errors(page, s, "profile")
 
 
-async def session(browser, url: str, s: Session, index: int, rounds: int, max_new: int, sweep: bool) -> None:
+async def session(browser, url: str, s: Session, index: int, rounds: int, max_new: int, sweep: bool,
+                  think_s: tuple[float, float] = THINK_S) -> None:
     context = await browser.new_context(viewport={"width": 1400, "height": 2000}, accept_downloads=True)
     page = await context.new_page()
+    rng = random.Random(index)  # the same pauses on every run of the bench
+
+    async def think() -> None:  # reading what the last action showed
+        await page.wait_for_timeout(rng.uniform(*think_s) * 1e3)
+
     try:
         await page.goto(url, wait_until="networkidle")
         await page.get_by_role("heading", name="Live decode").wait_for(timeout=TIMEOUT_MS)
         for r in range(rounds):
             if sweep and r == 0:
                 await profile(page, s)
-            await live(page, s, f"Session {index}, round {r}: {B.DEFAULT_PROMPT}", max_new)
-            await runs(page, s)
-            await compare(page, s, max_new)
-            await whatif(page, s)
+            for action in (lambda: live(page, s, f"Session {index}, round {r}: {B.DEFAULT_PROMPT}", max_new),
+                           lambda: runs(page, s), lambda: compare(page, s, max_new), lambda: whatif(page, s)):
+                await think()
+                await action()
     except Exception as e:  # noqa: BLE001 - a session that cannot go on is a finding, not a crash
         s.errors.append(f"stopped: {type(e).__name__}: {str(e).splitlines()[0][:200]}")
     finally:
@@ -205,16 +222,20 @@ def config_of(run: dict) -> dict:
 
 
 def queue_fairness(live_runs: list[dict]) -> dict:
-    """From the stored live runs' queue stamps: the longest wait, and how many runs were overtaken
-    (started before a run queued ahead of them) — first come, first served makes that 0."""
+    """From the stored live runs' queue stamps: the longest wait for a run's first turn in the
+    decode slot, in seconds and in decodes (against the median run's own wall time, which leaves
+    out its turns: engine/lab/slots.stepped), how many runs were overtaken (their first turn came
+    after that of a run queued behind them), and the median run's total wait in its later turns
+    against its own wall time (the price of taking turns)."""
     configs = [config_of(r) for r in live_runs]
     stamps = [(c["queued_at"], c["queued_at"] + c["queue_ms"] / 1e3) for c in configs if "queue_ms" in c]
     overtaken = sum(1 for qa, sa in stamps for qb, sb in stamps if qb > qa and sb < sa)
     waits = [(s - q) for q, s in stamps]
     decode_s = statistics.median(r["wall_ms"] / 1e3 for r in live_runs) if live_runs else float("nan")
+    turns = [c.get("turns_ms", 0.0) / r["wall_ms"] for c, r in zip(configs, live_runs) if r["wall_ms"]]
     return {"runs": len(stamps), "max_wait_s": round(max(waits, default=0.0), 2),
             "max_wait_decodes": round(max(waits, default=0.0) / decode_s, 1) if live_runs else 0.0,
-            "overtaken": overtaken}
+            "overtaken": overtaken, "turns_per_own_wall": round(statistics.median(turns), 2) if turns else 0.0}
 
 
 def check_store(db: Path, sessions: list[Session]) -> dict:
@@ -247,14 +268,15 @@ def summarize(sessions: list[Session]) -> dict[str, dict[str, float]]:
             for a, xs in actions.items()}
 
 
-async def _load(url: str, n: int, rounds: int, max_new: int, sweep: bool) -> list[Session]:
+async def _load(url: str, n: int, rounds: int, max_new: int, sweep: bool,
+                think_s: tuple[float, float] = THINK_S) -> list[Session]:
     from playwright.async_api import async_playwright
 
     async with async_playwright() as p:
         browser = await p.chromium.launch(executable_path=B.CHROMIUM, args=B.CHROMIUM_ARGS)
         try:
             sessions = [Session(f"session {i}") for i in range(n)]
-            await asyncio.gather(*(session(browser, url, s, i, rounds, max_new, sweep and i == 0)
+            await asyncio.gather(*(session(browser, url, s, i, rounds, max_new, sweep and i == 0, think_s)
                                    for i, s in enumerate(sessions)))
             return sessions
         finally:
@@ -262,13 +284,13 @@ async def _load(url: str, n: int, rounds: int, max_new: int, sweep: bool) -> lis
 
 
 def measure(counts: list[int], rounds: int, max_new: int, env: dict[str, str], say=lambda m: None,
-            warm: bool = True) -> dict:
+            warm: bool = True, think_s: tuple[float, float] = THINK_S) -> dict:
     """One server and database for the whole run: a single session first (the pair loads; `warm`
     False skips it, and the memory growth is then not measured), then each session count in turn
     (the first of them starts a Profile sweep)."""
     if (why := B.browser_missing()):
         raise RuntimeError(why)
-    out: dict = {"sessions": {}, "memory_mib": {}}
+    out: dict = {"sessions": {}, "memory_mib": {}, "think_s": list(think_s)}
     seen: list[Session] = []
     with tempfile.TemporaryDirectory(prefix="speclab-load-") as tmp:
         db = Path(tmp) / "load.duckdb"
@@ -278,12 +300,12 @@ def measure(counts: list[int], rounds: int, max_new: int, env: dict[str, str], s
             out["memory_mib"]["server started"] = round(rss_mib(pid), 1)
             if warm:
                 say("one session first: the pair loads once")
-                seen += asyncio.run(_load(url, 1, 1, max_new, sweep=False))
+                seen += asyncio.run(_load(url, 1, 1, max_new, sweep=False, think_s=think_s))
                 out["memory_mib"]["after one session"] = round(rss_mib(pid), 1)
             for i, n in enumerate(counts):
                 say(f"{n} sessions × {rounds} rounds")
                 t0 = time.monotonic()
-                sessions = asyncio.run(_load(url, n, rounds, max_new, sweep=i == 0))
+                sessions = asyncio.run(_load(url, n, rounds, max_new, sweep=i == 0, think_s=think_s))
                 seen += sessions
                 out["sessions"][str(n)] = {"wall_s": round(time.monotonic() - t0, 1), "actions": summarize(sessions),
                                            "errors": [f"{s.name}: {e}" for s in sessions for e in s.errors]}
@@ -297,7 +319,7 @@ def measure(counts: list[int], rounds: int, max_new: int, env: dict[str, str], s
 
 
 def report(r: dict) -> str:
-    lines = []
+    lines = [f"each session paused {r['think_s'][0]:g}–{r['think_s'][1]:g} s before each action"]
     for n, res in r["sessions"].items():
         lines.append(f"{n} sessions ({res['wall_s']} s):")
         for a, f in res["actions"].items():
@@ -306,8 +328,9 @@ def report(r: dict) -> str:
     st, q = r["store"], r["store"]["queue"]
     lines.append(f"store: live runs seen stored {st['live_seen']}, stored {st['live_stored']}, each once "
                  f"{st['seen_stored_once']}; comparisons {st['compares']}, their runs stored {st['compare_runs_stored']}")
-    lines.append(f"decode slot: {q['runs']} live runs, longest wait {q['max_wait_s']} s "
-                 f"({q['max_wait_decodes']} decodes), overtaken {q['overtaken']}")
+    lines.append(f"decode slot: {q['runs']} live runs, longest wait for a first turn {q['max_wait_s']} s "
+                 f"({q['max_wait_decodes']} decodes of a live run's own length), overtaken {q['overtaken']}; "
+                 f"a run's later turns waited {q['turns_per_own_wall']}× its own wall time (median)")
     lines.append("memory (MiB): " + ", ".join(f"{k} {v}" for k, v in r["memory_mib"].items())
                  + (f"; growth over the sessions {r['memory_growth_in_pairs']} of the first session's load"
                     if "memory_growth_in_pairs" in r else ""))
@@ -321,13 +344,21 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-new-tokens", type=int, default=16, help="each live run's and comparison's length")
     ap.add_argument("--target", default="", help="HF id or local dir (default: the embedded model)")
     ap.add_argument("--draft", default="")
+    ap.add_argument("--think", default=",".join(map(str, THINK_S)),
+                    help="a session's pause before each action, MIN,MAX seconds (0,0: none, a stress test)")
     ap.add_argument("--json", action="store_true")
     a = ap.parse_args(argv)
     counts = [int(x) for x in a.sessions.split(",") if x.strip()]
     if not counts or min(counts) < 1 or a.rounds < 1:
         raise ValueError("--sessions needs counts ≥ 1 and --rounds ≥ 1")
+    try:
+        think = tuple(float(x) for x in a.think.split(","))
+    except ValueError:
+        think = ()
+    if len(think) != 2 or not 0 <= think[0] <= think[1]:
+        raise ValueError(f"--think needs MIN,MAX seconds with 0 ≤ MIN ≤ MAX, got {a.think!r}")
     r = measure(counts, a.rounds, a.max_new_tokens, {"SPECLAB_TARGET": a.target, "SPECLAB_DRAFT": a.draft},
-                say=lambda m: print(m, file=sys.stderr, flush=True))
+                say=lambda m: print(m, file=sys.stderr, flush=True), think_s=think)
     print(json.dumps(r) if a.json else report(r))
     return 0
 

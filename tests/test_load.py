@@ -18,7 +18,7 @@ if (why := B.browser_missing()):
 def test_two_sessions_at_once_lose_nothing_and_wait_their_turn(tiny_dirs):
     target, draft = tiny_dirs
     r = load.measure([2], rounds=1, max_new=8, env={"SPECLAB_TARGET": str(target), "SPECLAB_DRAFT": str(draft)},
-                     warm=False)
+                     warm=False, think_s=(0.0, 0.0))
     print("\n" + load.report(r))
     res = r["sessions"]["2"]
     assert res["errors"] == [], res["errors"]
