@@ -6,8 +6,9 @@ fills or a second server starts, each on a database of its own.
     retrain killed   `retrain` SIGKILLed half way (by a full retrain's time), beside a version stored before
     disk full        `generate` with no room for its write (the file-size limit of the child)
     second server    the workbench started again on a port one already serves
-    server killed    the workbench's server SIGKILLed while its sweep runs and a Live decode streams,
-                     then restarted: the sweep started again under its name runs only what is left
+    server killed    the workbench's server SIGKILLed while its sweep runs, a Live decode streams and a
+                     retrain fits, then restarted: the sweep started again under its name runs only
+                     what is left, and the next retrain stores a version
 
 After each fault the database must open read-write at once (no lock, no temporary file, nothing
 staged left behind), hold every run whole (its steps emit the tokens it says it made) and
@@ -302,31 +303,56 @@ def _start_sweep(page, name: str, per_task: int) -> None:
     page.locator('[data-testid="stProgress"]').first.wait_for(timeout=START_S * 1e3)
 
 
+TRAINING = "Fitting the MLP"  # the Replay & retrain page's line while a retrain runs
+TRAINED = re.compile(r"Activate v\d+|anyway, although")  # what it offers once one has ended
+
+
+def _train(page) -> None:
+    """Replay & retrain's Train on the SpecKV import, pressed; returns once the fit has begun."""
+    browser.go(page, "Replay & retrain", timeout_s=START_S)
+    page.get_by_text("speckv: the SpecKV import", exact=False).first.click()
+    browser.wait_idle(page, START_S)
+    page.get_by_role("button", name="Train", exact=True).click()
+    page.get_by_text(TRAINING).first.wait_for(timeout=START_S * 1e3)
+
+
 def server_killed(model: list[str], work: Path, per_task: int = 1) -> Outcome:
-    """The workbench's server SIGKILLed while its Profile sweep runs and a Live decode streams, then
-    started again on the same database: what finished is there, nothing half-made, and Start on
-    the same sweep name runs only the cells left."""
+    """The workbench's server SIGKILLed while its Profile sweep runs, a Live decode streams and a
+    retrain fits (three sessions), then started again on the same database: what finished is
+    there, nothing half-made, no controller version from the killed retrain; Start on the same
+    sweep name runs only the cells left, and Train stores a version."""
+    from engine.datasets.speckv import import_speckv
+    from store import Store
+
     o, db = Outcome("server killed"), work / "killed.duckdb"
+    with Store(db) as st:  # what the retrain fits on (no model needed)
+        import_speckv(st, SPECKV_CSV)
     env = _model_env(db, model)
     procs: list = []
     with browser.app_server(env, procs=procs) as url, browser.chromium_page() as page:
         page.goto(url, wait_until="networkidle")
         page.get_by_role("heading", name="Live decode").wait_for(timeout=START_S * 1e3)
         _start_sweep(page, "killed", per_task)
+        trainer = page.context.browser.new_page(viewport=page.viewport_size)  # a second session
+        trainer.goto(url, wait_until="networkidle")
         browser.go(page, "Live decode", timeout_s=START_S)
         page.get_by_label("…or any policy spec").fill("ar")
         page.get_by_label("Max new tokens").fill("2000")
         page.get_by_role("button", name="Generate").click()
         page.wait_for_function(browser.STREAMED, timeout=START_S * 1e3, polling=browser.POLL_MS)
-        o.injected = procs[0].poll() is None
+        _train(trainer)
+        training = trainer.get_by_text(TRAINING).count() > 0 and trainer.get_by_text(TRAINED).count() == 0
+        o.injected = procs[0].poll() is None and training
         procs[0].send_signal(signal.SIGKILL)
         procs[0].wait()
     seen = inspect(db, o)
     mid = seen["runs"]
     swept = [(r["prompt"], r["policy"]) for r in mid.values() if r.get("sweep") == "killed"]
     finished = seen["traces"] + len(swept)  # the sweep traces its prompts first, then runs its cells
-    o.check("the killed decode stored nothing", not [r for r in mid.values() if not r.get("sweep")])
+    o.check("the killed decode stored nothing",
+            not [r for r in mid.values() if not r.get("sweep") and r.get("source") != "speckv"])
     o.check("the sweep's finished items are there", finished >= 1, "none stored before the kill")
+    o.check("the killed retrain stored no version", seen["versions"] == [], str(seen["versions"]))
     with browser.app_server(env) as url, browser.chromium_page() as page:
         page.goto(url, wait_until="networkidle")
         page.get_by_role("heading", name="Live decode").wait_for(timeout=START_S * 1e3)
@@ -335,12 +361,17 @@ def server_killed(model: list[str], work: Path, per_task: int = 1) -> Outcome:
         ended.wait_for(timeout=600_000)
         done, total, before = (int(x or 0) for x in SWEEP_ENDED.search(ended.inner_text()).groups())
         browser.wait_idle(page, START_S)
-    after = inspect(db, o)["runs"]
+        _train(page)
+        page.get_by_text(TRAINED).first.wait_for(timeout=600_000)
+        browser.wait_idle(page, START_S)
+    final = inspect(db, o)
+    after = final["runs"]
     cells = [(r["prompt"], r["policy"]) for r in after.values() if r.get("sweep") == "killed"]
     o.lost = len(set(mid) - set(after))
-    o.resumed = done == total and len(cells) == len(set(cells)) and before == finished
+    o.resumed = done == total and len(cells) == len(set(cells)) and before == finished and final["versions"] == [1]
     o.line = (f"{finished} of the sweep's {total} items (traces, then runs) stored at the kill; after a restart, "
-              f"Start on the same name ran the other {total - before}, each cell once")
+              f"Start on the same name ran the other {total - before}, each cell once; the killed retrain "
+              f"stored no version, the next stored versions {final['versions']}")
     return o
 
 

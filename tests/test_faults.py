@@ -2,7 +2,8 @@
 workbench process): a sweep, a decode and a retrain SIGKILLed mid-way lose nothing that had
 finished and leave nothing that blocks the next action; the sweep resumes under its name; a full
 disk is one line and loses nothing stored; a second server on a taken port says so and the first
-keeps serving."""
+keeps serving; the workbench's server killed while a sweep, a Live decode and a retrain run
+restarts with nothing half-made, the sweep resuming and the next retrain storing a version."""
 from __future__ import annotations
 
 import pytest
@@ -61,9 +62,10 @@ def test_the_report_counts_what_was_injected_and_lost():
 
 
 @pytest.mark.slow
-def test_a_server_killed_mid_sweep_and_mid_decode_restarts_and_the_sweep_resumes(model, tmp_path):
+def test_a_server_killed_mid_sweep_decode_and_retrain_restarts_and_resumes(model, tmp_path):
     if (why := faults.browser.browser_missing()):
         pytest.skip(why)
     o = faults.server_killed(model, tmp_path, per_task=4)
     _held(o)
     assert "the killed decode stored nothing" in o.checks and "each cell once" in o.line
+    assert "the killed retrain stored no version" in o.checks and o.line.endswith("[1]")
