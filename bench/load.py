@@ -13,7 +13,7 @@ every page error, the server's memory after the first pair load and after each s
 checks the database at the end: every run a session saw stored is stored once, and the stored live
 runs are exactly those.
 
-    python -m engine bench load [--sessions 2,4,8] [--rounds 2] [--json]
+    python -m engine bench load [--sessions 2,4,8] [--rounds 2] [--think 1,4] [--json]
 
 Never asserts a time; tests/test_browser.py runs it on two sessions."""
 from __future__ import annotations
@@ -39,8 +39,8 @@ TIMEOUT_MS = 900_000
 THINK_S = (1.0, 4.0)
 LIVE_POLICY = "fixed:2"  # a fixed γ: every session's run costs the same, whatever was stored before
 RUN_ID = re.compile(r"Stored as run (\S+)")
-# The long waits (a decode, a comparison) look at the page once a second: eight tabs each polling
-# every 250 ms took a core of the two from the server they measure (a user's browser never polls).
+# The long waits (a decode, a comparison) look at the page once a second: eight tabs polling
+# faster took a large share of the cores from the server they measure (a user's browser never polls).
 WAIT_POLL_MS = 1000
 COMPARED = """() => [...document.querySelectorAll('[data-testid^="stAlertContent"]')]
     .some(e => e.textContent.includes('identical'))"""

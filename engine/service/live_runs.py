@@ -7,9 +7,9 @@ not end the run either.
 
 The run takes the process's decode slot (engine/lab/slots.py) one step at a time, in turns with
 the other sessions' decodes, reads what its policy needs without measuring anything (a missing
-cost table is probed in seconds), and after the
-run, where the costs were probed or lack the contexts the run reached, starts the background cost
-measurement (service/cost_jobs.py). Torch-free at import."""
+cost table is probed in seconds), and after the run, where the costs were probed or lack the
+contexts the run reached, starts the background cost measurement (service/cost_jobs.py).
+Torch-free at import."""
 from __future__ import annotations
 
 import threading
@@ -91,9 +91,9 @@ class LiveRun:
 
     def _run(self) -> None:
         try:
-            queued: list[float] = []
-            with decode_slot(LIVE, lambda busy: self._set(waiting_for=busy), on_queued=queued.append):
-                queued_at = queued[0]  # the first turn: the run's setup
+            stamps: list[float] = []
+            with decode_slot(LIVE, lambda busy: self._set(waiting_for=busy), on_queued=stamps.append):
+                queued_at = stamps[0]  # the first turn: the run's setup
                 queue_ms = (time.time() - queued_at) * 1e3
                 self._set(state="running", waiting_for="")
                 gen = open_generation(self.pair, self.req, self.db, prefix=self.prefix, history=self.history,
