@@ -209,6 +209,21 @@ def test_a_table_measured_in_turns_takes_the_slot_per_bucket(tiny_pair, monkeypa
         assert len(asked) == 3 and len(held) == 3  # nothing lacking: the slot is not even taken
 
 
+def test_a_live_run_opens_outside_the_slot_unless_a_probe_runs_the_models(tiny_pair, tmp_path):
+    """service.cost_tables.would_probe: a policy that weighs no costs, or one whose table is
+    stored, opens without the decode slot (its first turn is its prefill); one that would probe
+    a missing table opens inside it."""
+    from engine.service.cost_tables import cost_table, would_probe
+    from store import Store
+
+    db = str(tmp_path / "x.duckdb")
+    assert not would_probe(db, tiny_pair, "fixed:2") and would_probe(db, tiny_pair, "rakv")
+    with Store(db) as st:
+        st.add_costs(measure_costs(tiny_pair, (64, 256), 1).to_rows(1))
+        assert cost_table(st, tiny_pair, measure=False).buckets == [64, 256]
+    assert not would_probe(db, tiny_pair, "rakv") and would_probe(db, tiny_pair, "rakv", "int8")
+
+
 def test_long_contexts_are_measured_with_fewer_rounds():
     from engine.decode.costs import CONTEXT_BUCKETS, LONG_CONTEXT, REPS, reps_at
 

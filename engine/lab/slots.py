@@ -75,17 +75,20 @@ def decode_slot(who: str, on_wait: Callable[[str], None] = lambda busy: None,
 
 
 def stepped(steps: Iterable[T], who: str, on_wait: Callable[[str], None] = lambda busy: None,
-            waited: Callable[[float], None] = lambda ms: None) -> Iterator[T]:
+            waited: Callable[[float], None] = lambda ms: None,
+            on_queued: Callable[[float], None] = lambda at: None) -> Iterator[T]:
     """`steps` iterated in turns with the other decodes: the slot is taken for each `next()` and
-    given back before the item is handed on. `on_wait(holder)` as for the first step only (the
-    later turns are short); `waited(ms)` hears how long each turn queued. Closing this closes
-    `steps` (a Generation stopped early keeps what it ran)."""
+    given back before the item is handed on. `on_wait(holder)` and `on_queued(at)` as for the
+    first step only (the later turns are short); `waited(ms)` hears how long each turn queued,
+    once it has the slot. Closing this closes `steps` (a Generation stopped early keeps what it
+    ran)."""
     it = iter(steps)
     try:
         first = True
         while True:
             t0 = time.monotonic()
-            with decode_slot(who, on_wait if first else lambda busy: None):
+            with decode_slot(who, on_wait if first else lambda busy: None,
+                             on_queued=on_queued if first else lambda at: None):
                 waited((time.monotonic() - t0) * 1e3)
                 try:
                     item = next(it)

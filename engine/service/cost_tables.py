@@ -3,6 +3,7 @@ then read from the store; calibrated to stored live steps; the PolicyContext `sp
 from __future__ import annotations
 
 import contextlib
+import os
 import statistics
 from typing import Any, Callable, ContextManager
 
@@ -96,6 +97,22 @@ def missing_buckets(store: Store, pair, kv_tier: str = "native", context: int | 
     if have is None:
         return buckets_for(context, pair.max_context)
     return _lacking(have, context, pair.max_context)
+
+
+def would_probe(db: str, pair, spec: str, kv_tier: str = "native") -> bool:
+    """Whether opening `spec` on `pair` without measuring (cost_table's `measure` False) runs the
+    models: its policy weighs costs and `db` holds no usable table at this KV tier, so a probe
+    stands in. True too when the file cannot be read now (the caller then holds the decode slot
+    around the opening, as for a probe)."""
+    if parse_policy(spec)[0] not in NEEDS_CONTEXT:
+        return False
+    if not db or not os.path.exists(db):
+        return True
+    try:
+        with Store(db, read_only=True, wait_s=3.0) as st:
+            return _usable(st, pair, kv_tier) is None
+    except Exception:  # noqa: BLE001 - unreadable now: opening it later says why, in one line
+        return True
 
 
 def measure_in_turns(db: "str | Store", pair, kv_tier: str, context: int | None,

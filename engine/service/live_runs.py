@@ -7,7 +7,8 @@ not end the run either.
 
 The run takes the process's decode slot (engine/lab/slots.py) one step at a time, in turns with
 the other sessions' decodes, reads what its policy needs without measuring anything (a missing
-cost table is probed in seconds), and after the run, where the costs were probed or lack the
+cost table is probed in seconds, inside the slot; nothing else runs the models before the
+prefill, so the opening takes no turn), and after the run, where the costs were probed or lack the
 contexts the run reached, starts the background cost measurement (service/cost_jobs.py).
 Torch-free at import."""
 from __future__ import annotations
@@ -21,7 +22,7 @@ from engine.base.helpers import one_line
 from engine.decode.policies import NEEDS_CONTEXT, parse_policy
 from engine.lab.slots import decode_slot, queued, stepped
 from engine.service.cost_jobs import MEASURER
-from engine.service.cost_tables import reach
+from engine.service.cost_tables import reach, would_probe
 from engine.service.runs import Request, Stored, check, keep, open_generation, store_outcome
 
 LIVE = "a live decode"  # what the decode slot says holds it
@@ -91,31 +92,45 @@ class LiveRun:
 
     def _run(self) -> None:
         try:
-            stamps: list[float] = []
-            with decode_slot(LIVE, lambda busy: self._set(waiting_for=busy), on_queued=stamps.append):
-                queued_at = stamps[0]  # the first turn: the run's setup
-                queue_ms = (time.time() - queued_at) * 1e3
-                self._set(state="running", waiting_for="")
-                gen = open_generation(self.pair, self.req, self.db, prefix=self.prefix, history=self.history,
-                                      measure=False)
+            stamps: list[float] = []  # when it joined the queue for its first turn
+            turns: list[float] = []  # each turn's wait for the model, the first one's first
+            if would_probe(self.db, self.pair, self.req.policy, self.req.kv_tier):  # a probe runs the models
+                t0 = time.monotonic()
+                with decode_slot(LIVE, self._waiting, on_queued=stamps.append):
+                    self._turn(turns, (time.monotonic() - t0) * 1e3)
+                    gen = self._open()
+            else:  # nothing runs the models before the prefill, its first turn
+                gen = self._open()
             self._set(costs=gen.policy.costs.describe() if hasattr(gen.policy, "costs") else "", seed=gen.seed)
-            turns: list[float] = []
-            self._decode(gen, turns)
+            self._decode(gen, turns, stamps)
             kept = keep(gen, self.req)
-            # How long this run waited for the model: before its first turn, and in its later turns
+            # How long this run waited for the model: for its first turn, and in its later turns
             # while other sessions' steps ran (bench load reads both).
-            kept.row["config"] = dict(kept.row["config"], queued_at=queued_at, queue_ms=round(queue_ms, 1),
-                                      turns_ms=round(sum(turns), 1))
+            kept.row["config"] = dict(kept.row["config"], queued_at=stamps[0], queue_ms=round(turns[0], 1),
+                                      turns_ms=round(sum(turns[1:]), 1))
             stored = store_outcome(self.db, kept.row, kept.steps) if self.db else Stored(None, "warning", "not stored: no database")
             self._set(state="stopped" if gen.summary.stop_reason == "stopped" else "finished",
                       summary=asdict(gen.summary), stored=stored, kv_bytes_per_token=gen.kv_bytes_per_token,
-                      turns_ms=sum(turns))
+                      turns_ms=sum(turns[1:]))
             self._measure_after(gen)
         except BaseException as e:  # noqa: BLE001 - the page shows it as one line
             self._set(state="failed", error=one_line(e))
 
-    def _decode(self, gen, turns: list[float]) -> None:
-        it = stepped(gen, LIVE, waited=turns.append)
+    def _open(self):
+        return open_generation(self.pair, self.req, self.db, prefix=self.prefix, history=self.history, measure=False)
+
+    def _waiting(self, busy: str) -> None:
+        self._set(waiting_for=busy)
+
+    def _turn(self, turns: list[float], ms: float) -> None:
+        turns.append(ms)
+        if len(turns) == 1:  # its first turn: it runs from here
+            self._set(state="running", waiting_for="")
+
+    def _decode(self, gen, turns: list[float], stamps: list[float]) -> None:
+        first = not turns  # no turn taken for its opening
+        it = stepped(gen, LIVE, self._waiting if first else lambda busy: None, lambda ms: self._turn(turns, ms),
+                     stamps.append if first else lambda at: None)
         for rec in it:
             row = asdict(rec)
             row["why"] = getattr(gen.policy, "why", "") if rec.step else "prefill"
