@@ -232,8 +232,9 @@ def follow(run: LiveRun) -> LiveSnapshot:
     speed; nor while other sessions' decodes take turns with this one). Returns the ended run's
     snapshot. Stop is a widget of the page, not of a fragment: its press asks for a rerun that
     preempts this loop at its next draw (a fragment's own button would wait for the fragment's run
-    to end), and its callback, run first in the new script run, sets the decode's stop event. Polling from a fragment every second instead cost the decode a third of
-    its speed beside another job (a fragment rerun is a script run for the browser and the server)."""
+    to end), and its callback, run first in the new script run, sets the decode's stop event.
+    Polling from a fragment every second instead cost the decode a third of its speed beside
+    another job (a fragment rerun is a script run for the browser and the server)."""
     st.html(CALM_CSS)
     st.button("Stop", key="live_stop", icon=":material/stop:", on_click=run.stop,
               help="End the generation after this step; what it made is shown and stored")

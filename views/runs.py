@@ -124,7 +124,8 @@ def downloads(db: str, runs: pd.DataFrame, steps: pd.DataFrame) -> None:
     stamp, chosen = file_stamp(db), tuple(runs["run_id"])
     c1, c2, c3, c4 = st.columns(4)
     files = [(c1, "Runs (CSV)", "csv", "runs", "runs.csv", "text/csv", "runs_dl_runs_csv"),
-             (c2, "Runs (Parquet)", "parquet", "runs", "runs.parquet", "application/octet-stream", "runs_dl_runs_parquet"),
+             (c2, "Runs (Parquet)", "parquet", "runs", "runs.parquet", "application/octet-stream",
+              "runs_dl_runs_parquet"),
              (c3, "Steps (CSV)", "csv", "steps", "steps.csv", "text/csv", "runs_dl_steps_csv"),
              (c4, "Steps (Parquet)", "parquet", "steps", "steps.parquet", "application/octet-stream",
               "runs_dl_steps_parquet")]

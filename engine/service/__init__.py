@@ -60,7 +60,8 @@ __all__ = [
     "greedy_history", "suffix_history",
     "ALPHA_MIN_STEPS", "MEASURE_KV_MINUTES", "TRACE_IDENTITY", "TRACE_POLICIES", "calibrate_all", "calibrate_costs",
     "context_for", "controller_loader", "cost_key", "cost_table", "format_sweep", "format_tune", "kv_view",
-    "latest_kv_measurement", "latest_live_run", "measure_in_turns", "measure_kv", "newest_traces", "parse_kv_tiers", "parse_tiers",
+    "latest_kv_measurement", "latest_live_run", "measure_in_turns", "measure_kv", "newest_traces", "parse_kv_tiers",
+    "parse_tiers",
     "policy_context", "profile", "prompt_set", "reach", "replay_all", "replay_rows", "retrain", "save_export", "store_run",
     "stored_costs", "stored_exports", "stored_keys", "sweep_table", "tier_label", "trace_prompts", "tune_kv",
 ]

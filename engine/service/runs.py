@@ -122,11 +122,12 @@ def run_policies(pair, prompts: Sequence[str], policies: Sequence[str], req: Req
     the decode slot step by step (slots.stepped; `on_wait(holder)` is called when another decode
     holds it at a run's first step), each from `req` with its prompt and policy. `ctx_for(spec)`
     gives the PolicyContext a spec needs (None for most). Each policy gets a fresh Policy per run
-    (adaptive ones learn within a run) and the same config, seed included. `on_run` sees each run as it ends (the page stores it there). A prefix
-    cache, if given, is shared by the runs: the later policies would then find the earlier ones'
-    prompts, so the page passes None for a fair TTFT. A suffix history, if given, is read by every
-    run as it stood before the comparison (a later policy must not find an earlier one's output
-    of the same prompt) and fed the outputs once all have run."""
+    (adaptive ones learn within a run) and the same config, seed included. `on_run` sees each run
+    as it ends (the page stores it there). A prefix cache, if given, is shared by the runs: the
+    later policies would then find the earlier ones' prompts, so the page passes None for a fair
+    TTFT. A suffix history, if given, is read by every run as it stood before the comparison (a
+    later policy must not find an earlier one's output of the same prompt) and fed the outputs
+    once all have run."""
     specs = check_policies(policies)
     for spec in specs:  # a bad spec or a missing controller fails before the first decode
         make_policy(spec, ctx_for(spec))
