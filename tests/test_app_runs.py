@@ -30,25 +30,39 @@ def test_stored_runs_are_filtered_plotted_and_downloadable(app_env, tiny_pair):
                 generate(tiny_pair, Request(prompt, pol, task=task, max_new_tokens=12), s, context=None)
     at = _runs_page()
     assert not at.exception and not _errors(at), _errors(at)
-    charts = at.get("plotly_chart")
-    assert len(charts) == 3  # acceptance vs signals, best γ heatmap, tok/s by policy
-    best = at.dataframe[0].value
-    assert sorted(best["task"]) == ["chat", "code"] and set(best["best_gamma"]) <= {0, 2, 4}
-    assert set(best["gammas"]) == {3}
-    speeds = at.dataframe[1].value
-    assert sorted(speeds["policy"]) == ["ar", "fixed:2", "fixed:4"]
-    assert len(at.dataframe[2].value) == 6
+    assert [t.label for t in at.tabs] == ["Runs", "Acceptance", "Best γ", "Tokens/s by policy"]
+    assert not at.get("plotly_chart")  # the runs tab opens first: no figure is made for the others
+    assert len(at.dataframe) == 1 and len(at.dataframe[0].value) == 6
     labels = [b.proto.label for b in at.get("download_button")]
     assert labels == ["Runs (CSV)", "Runs (Parquet)", "Steps (CSV)", "Steps (Parquet)"]
     assert any("6 of 6 runs" in c.value for c in at.caption)
+
+    def open_tab(label: str) -> None:
+        at.session_state["runs_tab"] = label
+        at.run()
+        assert not at.exception and not _errors(at), _errors(at)
+        assert bool(at.get("download_button")) == (label == "Runs")  # only the open tab is drawn
+
+    open_tab("Acceptance")  # acceptance against the draft's signals
+    assert len(at.get("plotly_chart")) == 1 and any("drafting steps" in c.value for c in at.caption)
+    open_tab("Best γ")  # the heatmap and its table
+    assert len(at.get("plotly_chart")) == 1
+    best = at.dataframe[0].value
+    assert sorted(best["task"]) == ["chat", "code"] and set(best["best_gamma"]) <= {0, 2, 4}
+    assert set(best["gammas"]) == {3}
+    open_tab("Tokens/s by policy")
+    assert len(at.get("plotly_chart")) == 1
+    assert sorted(at.dataframe[0].value["policy"]) == ["ar", "fixed:2", "fixed:4"]
 
     # A filter narrows every view.
     at.multiselect(key="runs_policies").set_value(["fixed:2"]).run()
     assert not at.exception and not _errors(at)
     assert any("2 of 6 runs" in c.value for c in at.caption)
-    assert list(at.dataframe[-1].value["policy"]) == ["fixed:2", "fixed:2"]
+    assert list(at.dataframe[0].value["policy"]) == ["fixed:2"]
+    open_tab("Runs")
+    assert list(at.dataframe[0].value["policy"]) == ["fixed:2", "fixed:2"]
     at.multiselect(key="runs_policies").set_value(["ar"]).run()  # ar drafts nothing: no acceptance points
-    assert not at.exception and not _errors(at)
+    open_tab("Acceptance")
     assert any("No drafting steps" in c.value for c in at.caption)
 
 

@@ -186,12 +186,17 @@ def test_runs_page_plots_and_downloads(session):
     page, url, _ = session
     _go(page, url, "Runs")
     _no_error(page)
-    charts = page.locator('[data-testid="stPlotlyChart"]')
-    charts.nth(1).wait_for(timeout=TIMEOUT_MS)  # they draw after the page's heading and the store's read
-    assert charts.count() >= 2
+    page.locator('[data-testid="stDataFrame"]').first.wait_for(timeout=TIMEOUT_MS)  # the runs tab first
     with page.expect_download(timeout=TIMEOUT_MS) as dl:
         page.get_by_role("button", name="Runs (CSV)", exact=True).click()
     assert dl.value.suggested_filename.endswith(".csv")
+    charts = page.locator('[data-testid="stPlotlyChart"]')
+    for tab in ("Best γ", "Tokens/s by policy", "Acceptance"):  # each tab draws its figure when opened
+        page.get_by_role("tab", name=tab, exact=True).click()
+        charts.first.wait_for(timeout=TIMEOUT_MS)
+        B.wait_idle(page, TIMEOUT_MS / 1e3)
+        _no_error(page)
+        assert charts.count() == 1
     page.screenshot(path=str(SHOTS / "runs.png"), full_page=True)
 
 

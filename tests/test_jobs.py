@@ -3,6 +3,7 @@ a time, Stop keeps what finished and a restart resumes the rest."""
 from __future__ import annotations
 
 import contextlib
+import threading
 import time
 
 import pytest
@@ -119,3 +120,34 @@ def test_a_failing_cell_is_stored_as_failed_and_the_serial_sweep_goes_on(tiny_pa
         assert set(sweep_table(runs)["fp32"]["tokens_per_s"]) == {"ar", "fixed:2"}  # failed cells have no speed
         assert sum("stored as failed" in m for m in said) == len(PROMPTS)
         assert profile(st, "s", jobs_, lambda tier: tiny_pair, 8) == 0  # a rerun skips the failed cells too
+
+
+def test_a_sweep_run_takes_turns_with_a_live_decode_a_step_each(tiny_pair, tmp_path, monkeypatch):
+    """A Generate pressed while a sweep's run decodes waits for one of its steps, not for the run."""
+    from engine.lab import slots
+
+    holds: list[str] = []
+    live: list[threading.Thread] = []
+    real = slots.decode_slot
+
+    @contextlib.contextmanager
+    def logged(who, *args, **kw):
+        with real(who, *args, **kw):
+            holds.append(who)
+            if who.startswith("profile sweep") and holds.count(who) == 3 and not live:  # mid-run: Generate
+                live.append(threading.Thread(target=lambda: list(slots.stepped(iter(range(3)), "live"))))
+                live[0].start()
+                while slots.queued() < 1:  # it waits behind this step
+                    time.sleep(0.001)
+            yield
+
+    monkeypatch.setattr(slots, "decode_slot", logged)
+    monkeypatch.setattr(jobs, "decode_slot", logged)
+    runner = jobs.SweepRunner()
+    runner.start(_spec(), str(tmp_path / "turns.duckdb"), lambda tier: tiny_pair)
+    assert runner.wait(120).state == "finished"
+    live[0].join(10)
+    first, second = [i for i, who in enumerate(holds) if who == "live"][:2]
+    assert holds[first - 1].startswith("profile sweep")  # it came in after the step it waited for
+    assert any(h.startswith("profile sweep") for h in holds[first + 1:second])  # the run went on between its steps
+    assert len(_keys(tmp_path / "turns.duckdb")) == 4

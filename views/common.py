@@ -2,6 +2,7 @@
 the cached model pair, error display and storing a run. No decoding math here."""
 from __future__ import annotations
 
+import gc
 import os
 from dataclasses import dataclass
 
@@ -85,7 +86,13 @@ def show_error(e: BaseException) -> None:
 
 @st.cache_resource(show_spinner=False, max_entries=2)
 def _pair(target: str | None, draft: str | None, target_tier: str, engine: str = "torch"):
-    return load_pair(target, draft, target_tier=target_tier, engine=engine)
+    pair = load_pair(target, draft, target_tier=target_tier, engine=engine)
+    # The imports and the pair live as long as the server: frozen (once collected), Python's full
+    # collections walk only what the pages make since, not the ~0.5M objects they hold (a full
+    # pass over them takes ~0.2 s, holding the GIL that the decode and every page share).
+    gc.collect()
+    gc.freeze()
+    return pair
 
 
 @st.cache_resource(show_spinner=False, max_entries=4)

@@ -1,7 +1,8 @@
-"""Runs: every stored run and its steps, filtered (model pair, tier, policy, task, date), with
-acceptance against the draft's entropy and confidence, the best fixed γ by tier × task, tokens/s by
-policy, and downloads as CSV or Parquet. Glue only: engine/service/runs_view.py shapes the DataFrames the
-store returns; the file is opened read-only, so a running sweep keeps writing."""
+"""Runs: every stored run and its steps, filtered (model pair, tier, policy, task, date): the runs
+with downloads as CSV or Parquet, and in tabs of their own acceptance against the draft's entropy
+and confidence, the best fixed γ by tier × task, and tokens/s by policy. Glue only:
+engine/service/runs_view.py shapes the DataFrames the store returns; the file is opened read-only,
+so a running sweep keeps writing."""
 from __future__ import annotations
 
 import os
@@ -137,6 +138,42 @@ def downloads(db: str, runs: pd.DataFrame, steps: pd.DataFrame) -> None:
         col.download_button(label, data, name, mime, key=key, on_click="ignore")
 
 
+# The page's views, one tab each; only the open tab's content is computed and drawn (a tab's
+# `.open`), so opening the page costs the filters and the table, not three figures in every browser.
+TABS = ["Runs", "Acceptance", "Best γ", "Tokens/s by policy"]
+
+
+def table(db: str, chosen: pd.DataFrame, picked: pd.DataFrame) -> None:
+    st.dataframe(chosen[[c for c in RUN_COLUMNS if c in chosen.columns]], hide_index=True, width="stretch")
+    downloads(db, chosen, picked)
+
+
+def acceptance(picked: pd.DataFrame) -> None:
+    points = V.acceptance_points(picked)
+    if not len(points):
+        st.caption("No drafting steps in the selection (ar runs draft nothing).")
+        return
+    st.plotly_chart(acceptance_figure(points), key="runs_acceptance")
+    n = int((picked["k_drafted"] > 0).sum())
+    st.caption(f"Acceptance against the draft's signals: {len(points)} of {n} drafting steps"
+               + (" (a sample)" if len(points) < n else ""))
+
+
+def best_gamma(chosen: pd.DataFrame) -> None:
+    best = V.best_gamma(chosen)
+    if not len(best):
+        st.caption("No ar or fixed:k runs in the selection: a profile sweep over them finds the best γ.")
+        return
+    st.plotly_chart(best_gamma_figure(best), key="runs_best_gamma")
+    st.dataframe(best, hide_index=True, width="stretch")
+
+
+def speed(chosen: pd.DataFrame) -> None:
+    speeds = V.speed_by_policy(chosen)
+    st.plotly_chart(speed_figure(speeds), key="runs_speed")
+    st.dataframe(speeds, hide_index=True, width="stretch")
+
+
 def show(db: str, runs: pd.DataFrame, steps: pd.DataFrame) -> None:
     if not len(runs):
         _empty("No runs stored yet")
@@ -147,36 +184,15 @@ def show(db: str, runs: pd.DataFrame, steps: pd.DataFrame) -> None:
     if not len(chosen):
         st.info("No run matches these filters.")
         return
-    try:
-        points = V.acceptance_points(picked)
-        best = V.best_gamma(chosen)
-        speeds = V.speed_by_policy(chosen)
-    except Exception as e:  # noqa: BLE001 - odd rows (an import) get one line, not a traceback
-        show_error(e)
-        return
-
-    st.subheader("Acceptance against the draft's signals")
-    if len(points):
-        st.plotly_chart(acceptance_figure(points), key="runs_acceptance")
-        n = int((picked["k_drafted"] > 0).sum())
-        st.caption(f"{len(points)} of {n} drafting steps" + (" (a sample)" if len(points) < n else ""))
-    else:
-        st.caption("No drafting steps in the selection (ar runs draft nothing).")
-
-    st.subheader("Best γ by tier × task")
-    if len(best):
-        st.plotly_chart(best_gamma_figure(best), key="runs_best_gamma")
-        st.dataframe(best, hide_index=True, width="stretch")
-    else:
-        st.caption("No ar or fixed:k runs in the selection: a profile sweep over them finds the best γ.")
-
-    st.subheader("Tokens/s by policy")
-    st.plotly_chart(speed_figure(speeds), key="runs_speed")
-    st.dataframe(speeds, hide_index=True, width="stretch")
-
-    st.subheader("Runs")
-    st.dataframe(chosen[[c for c in RUN_COLUMNS if c in chosen.columns]], hide_index=True, width="stretch")
-    downloads(db, chosen, picked)
+    views = [lambda: table(db, chosen, picked), lambda: acceptance(picked), lambda: best_gamma(chosen),
+             lambda: speed(chosen)]
+    for tab, view in zip(st.tabs(TABS, key="runs_tab", on_change="rerun"), views):
+        if tab.open:
+            with tab:
+                try:
+                    view()
+                except Exception as e:  # noqa: BLE001 - odd rows (an import) get one line, not a traceback
+                    show_error(e)
 
 
 st.title("Runs")

@@ -12,12 +12,12 @@ from __future__ import annotations
 import contextlib
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, replace
 from typing import Any
 
 from engine.base.helpers import one_line
-from engine.lab.slots import decode_slot
+from engine.lab.slots import decode_slot, stepped
 from engine.service import profile, tier_label, trace_prompts
 from store import Store
 
@@ -191,7 +191,7 @@ class SweepRunner:
                 else:
                     profile(store, spec.name, list(spec.jobs), load, spec.max_new_tokens,
                             on_start=self._runs_pending, on_run=lambda: self._item_done("run", made=True),
-                            say=lambda m: self._update(current=m), guard=self._guard)
+                            say=lambda m: self._update(current=m), guard=self._guard, turns=self._turns)
             self._end("finished")
         except _Stopped:
             self._end("stopped")
@@ -236,13 +236,21 @@ class SweepRunner:
         if self._stop.is_set():
             raise _Stopped()
         label = what if isinstance(what, str) else job_label(what)
-        name = self._status.name if self._status else "?"
-        with decode_slot(f"profile sweep {name}", on_wait=lambda who: self._update(current=f"waiting for {who}")):
+        with decode_slot(self._who(), on_wait=lambda who: self._update(current=f"waiting for {who}")):
             if self._stop.is_set():  # pressed while waiting for the slot
                 raise _Stopped()
             self._update(current=label)
             self._t0 = time.monotonic()
             yield
+
+    def _turns(self, job: Any, gen: Iterable[Any]) -> Iterator[Any]:
+        """A run's steps, a hold of the decode slot each, in turns with the sessions' decodes (the
+        run opened in `_guard`, where the status says what runs)."""
+        return stepped(gen, self._who())
+
+    def _who(self) -> str:
+        """What the decode slot's "busy" line names while this sweep holds it."""
+        return f"profile sweep {self._status.name if self._status else '?'}"
 
     def _runs_pending(self, n: int) -> None:
         """profile() found `n` jobs without a stored run: the others count as done."""

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Callable, ContextManager, Mapping
+from typing import Any, Callable, ContextManager, Iterable, Mapping
 
 from engine.base.helpers import csv_list, one_line
 from engine.base.names import tiers_of
@@ -99,15 +99,18 @@ def failed_row(job, names: Mapping[str, Any], reason: str, max_new_tokens: int, 
 def profile(st: Store, sweep: str, jobs: list, load: Callable[[str], object], max_new_tokens: int,
             on_start: Callable[[int], None] = lambda n: None, on_run: Callable[[], None] = lambda: None,
             say: Callable[[str], None] = lambda m: None,
-            guard: Callable[[Any], ContextManager[Any]] = lambda job: contextlib.nullcontext()) -> int:
+            guard: Callable[[Any], ContextManager[Any]] = lambda job: contextlib.nullcontext(),
+            turns: Callable[[Any, Any], Iterable[Any]] = lambda job, gen: gen) -> int:
     """Runs the sweep's jobs that have no stored run in it yet, tier by tier (a tier's pair loads
     once, through `load(tier)`), then KV tier by KV tier (the cost table policies weigh is the
     KV tier's); each run is stored as it finishes, so an interrupted sweep keeps what it did and
     a rerun resumes. A cell that raises (bad input: a prompt over the context, a policy the pair
     cannot run) is stored as failed with its one-line reason and the sweep goes on, as on a
-    cluster. Whatever runs the models (each bucket of a KV tier's cost measurement, each run)
-    runs inside `guard(job)`: the workbench takes its decode slot there, and stops a sweep between
-    runs by raising from it (engine/service/jobs.py). Returns how many ran."""
+    cluster. Each bucket of a KV tier's cost measurement and each run's opening run inside
+    `guard(job)`: the workbench takes its decode slot there, and stops a sweep between runs by
+    raising from it (engine/service/jobs.py). A run's steps are taken through `turns(job, gen)`:
+    the workbench takes the slot a step at a time there (engine/lab/slots.stepped), so a session's
+    Generate waits for a step of the sweep's run, not for the whole run. Returns how many ran."""
     from engine.lab.generation import encode_prompt
     from engine.lab.profiling import pending
     from engine.runtime.models import pair_device
@@ -130,16 +133,25 @@ def profile(st: Store, sweep: str, jobs: list, load: Callable[[str], object], ma
             for job in mine:
                 req = Request(job.prompt, job.policy, task=job.task, max_new_tokens=max_new_tokens,
                               kv_tier=job.kv_tier, sweep=sweep)
-                with guard(job):
+                error: Exception | None = None  # one cell's bad input must not end the sweep
+                with guard(job):  # a stop is heard here; the slot is held while the run opens
                     try:
-                        gen = open_generation(pair, req, None, ctx).run()
-                    except Exception as e:  # noqa: BLE001 - one cell's bad input must not end the sweep
-                        names = dict(target=pair.target_name, draft=pair.draft_name, draft_tier=pair.draft_tier,
-                                     device=pair_device(pair))
-                        st.add_run(dict(failed_row(job, names, one_line(e), max_new_tokens), sweep=sweep), [])
-                        say(f"{job.policy} on {job.prompt[:30]!r} failed, stored as failed: {one_line(e)}")
-                    else:
-                        keep(gen, req, st)
+                        gen = open_generation(pair, req, None, ctx)
+                    except Exception as e:  # noqa: BLE001 - stored as failed below
+                        error = e
+                if error is None:
+                    try:
+                        for _ in turns(job, gen):
+                            pass
+                    except Exception as e:  # noqa: BLE001 - stored as failed below
+                        error = e
+                if error is None:
+                    keep(gen, req, st)
+                else:
+                    names = dict(target=pair.target_name, draft=pair.draft_name, draft_tier=pair.draft_tier,
+                                 device=pair_device(pair))
+                    st.add_run(dict(failed_row(job, names, one_line(error), max_new_tokens), sweep=sweep), [])
+                    say(f"{job.policy} on {job.prompt[:30]!r} failed, stored as failed: {one_line(error)}")
                 on_run()
         del pair
     return len(todo)
