@@ -36,8 +36,17 @@ def _env(name: str) -> str:
     return default_db() if name == "db" else os.environ.get(_ENV[name], "")
 
 
+# No animations or transitions on any page. The workbench's browser often shares the CPU with the
+# decode it shows (a laptop's `make run`), and with no GPU to draw them a page's "running" icon and
+# fades are redrawn in software at 60 frames/s: ~0.1 of a core per page waiting on a decode, against
+# ~0.03 without (measured on the Compare page; a six-panel figure drawn mid-run also slowed the decode).
+CALM_CSS = "<style>*, *::before, *::after { animation: none !important; transition: none !important; }</style>"
+
+
 def sidebar() -> None:
-    """The sidebar shared by every page (called from app.py): model sources and the database."""
+    """The sidebar shared by every page (called from app.py): model sources and the database, and
+    the page style without animations (CALM_CSS)."""
+    st.html(CALM_CSS)
     with st.sidebar:
         st.subheader("Models")
         st.text_input(

@@ -39,7 +39,6 @@ MAX_NEW = 8192  # the form's largest request (the engine's own bound is the mode
 # While a generation streams, the browser's CSS animations and transitions (the running indicator,
 # stale elements fading) are switched off: headless Chromium repainting them took a third of a core
 # per generation from torch here (1.5 s against 1.0 s of its CPU per 64-token run). Removed after.
-CALM_CSS = "<style>*, *::before, *::after { animation: none !important; transition: none !important; }</style>"
 # Per-step columns for the table; the per-position lists stay in the store.
 TABLE_COLUMNS = [
     "step", "position", "proposer", "k_chosen", "k_drafted", "accepted", "emitted", "text",
@@ -235,7 +234,6 @@ def follow(run: LiveRun) -> LiveSnapshot:
     to end), and its callback, run first in the new script run, sets the decode's stop event.
     Polling from a fragment every second instead cost the decode a third of its speed beside
     another job (a fragment rerun is a script run for the browser and the server)."""
-    st.html(CALM_CSS)
     st.button("Stop", key="live_stop", icon=":material/stop:", on_click=run.stop,
               help="End the generation after this step; what it made is shown and stored")
     status_ph, text_ph, chart_ph = st.empty(), st.container(border=True).empty(), st.empty()
