@@ -38,8 +38,8 @@ def _env(name: str) -> str:
 
 # No animations or transitions on any page. The workbench's browser often shares the CPU with the
 # decode it shows (a laptop's `make run`), and with no GPU to draw them a page's "running" icon and
-# fades are redrawn in software at 60 frames/s: ~0.1 of a core per page waiting on a decode, against
-# ~0.03 without (measured on the Compare page; a six-panel figure drawn mid-run also slowed the decode).
+# fades are redrawn in software every frame while it waits on a decode: a few waiting pages took a
+# core from the decode (docs/benchmarks.md, bench load).
 CALM_CSS = "<style>*, *::before, *::after { animation: none !important; transition: none !important; }</style>"
 
 
@@ -97,8 +97,8 @@ def show_error(e: BaseException) -> None:
 def _pair(target: str | None, draft: str | None, target_tier: str, engine: str = "torch"):
     pair = load_pair(target, draft, target_tier=target_tier, engine=engine)
     # The imports and the pair live as long as the server: frozen (once collected), Python's full
-    # collections walk only what the pages make since, not the ~0.5M objects they hold (a full
-    # pass over them takes ~0.2 s, holding the GIL that the decode and every page share).
+    # collections walk only what the pages make since, not the half a million objects these hold,
+    # while holding the GIL that the decode and every page share.
     gc.collect()
     gc.freeze()
     return pair
