@@ -122,8 +122,10 @@ def test_a_failing_cell_is_stored_as_failed_and_the_serial_sweep_goes_on(tiny_pa
         assert profile(st, "s", jobs_, lambda tier: tiny_pair, 8) == 0  # a rerun skips the failed cells too
 
 
-def test_a_sweep_run_takes_turns_with_a_live_decode_a_step_each(tiny_pair, tmp_path, monkeypatch):
-    """A Generate pressed while a sweep's run decodes waits for one of its steps, not for the run."""
+@pytest.mark.parametrize("trace", [False, True], ids=["run", "trace"])
+def test_a_sweep_takes_turns_with_a_live_decode_a_step_each(trace, tiny_pair, tmp_path, monkeypatch):
+    """A Generate pressed while a sweep's run (or trace) decodes waits for one of its steps, not for
+    the whole run (or trace)."""
     from engine.lab import slots
 
     holds: list[str] = []
@@ -144,10 +146,12 @@ def test_a_sweep_run_takes_turns_with_a_live_decode_a_step_each(tiny_pair, tmp_p
     monkeypatch.setattr(slots, "decode_slot", logged)
     monkeypatch.setattr(jobs, "decode_slot", logged)
     runner = jobs.SweepRunner()
-    runner.start(_spec(), str(tmp_path / "turns.duckdb"), lambda tier: tiny_pair)
+    runner.start(_spec(trace=trace), str(tmp_path / "turns.duckdb"), lambda tier: tiny_pair)
     assert runner.wait(120).state == "finished"
     live[0].join(10)
     first, second = [i for i, who in enumerate(holds) if who == "live"][:2]
     assert holds[first - 1].startswith("profile sweep")  # it came in after the step it waited for
     assert any(h.startswith("profile sweep") for h in holds[first + 1:second])  # the run went on between its steps
     assert len(_keys(tmp_path / "turns.duckdb")) == 4
+    with Store(tmp_path / "turns.duckdb", read_only=True) as st:
+        assert len(st.traces()) == (2 if trace else 0)

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass, replace
-from typing import Callable, Iterable
+from typing import Callable, Iterable, Iterator
 
 import numpy as np
 import torch
@@ -48,7 +48,18 @@ def _always(j: int, token: DraftToken) -> bool:
 def trace(pair: ModelPair, prompt: str, task: str | None = None, max_new_tokens: int = 128,
           chat: bool = True, k_max: int = K_MAX, temperature: float | None = None,
           kv_tier: str = "native", proposers: tuple[str, ...] | None = None, history=None) -> Trace:
-    """The target's greedy output for `prompt` (its KV cache at `kv_tier`) and every proposer's
+    """`tracing` run to its end: the Trace."""
+    *_, made = tracing(pair, prompt, task, max_new_tokens, chat, k_max, temperature, kv_tier, proposers, history)
+    assert isinstance(made, Trace)
+    return made
+
+
+def tracing(pair: ModelPair, prompt: str, task: str | None = None, max_new_tokens: int = 128,
+            chat: bool = True, k_max: int = K_MAX, temperature: float | None = None,
+            kv_tier: str = "native", proposers: tuple[str, ...] | None = None,
+            history=None) -> Iterator[Trace | None]:
+    """A trace a target step per item (None), the Trace last: whoever shares the models (the
+    workbench's decode slot) takes turns between the steps. The target's greedy output for `prompt` (its KV cache at `kv_tier`) and every proposer's
     (`proposers`, default: all the pair has) k_max-token proposals along it. With `temperature`,
     each position also gets Σ min(p, q) of the warped first-token laws (the acceptance
     probability speculative sampling would have there), for proposers whose tokens carry a law.
@@ -70,12 +81,14 @@ def trace(pair: ModelPair, prompt: str, task: str | None = None, max_new_tokens:
     for prop in props.values():
         prop.update(0, [first])
     out, drafts = [first], []
+    yield None
     while not verifier.ended and len(out) < budget:
         drafts.append({name: (prop.lookahead(), prop.propose(k_max, _always)) for name, prop in props.items()})
         _, emitted = verifier.verify([])
         for prop in props.values():
             prop.update(0, emitted)
         out.extend(emitted)
+        yield None
     q = _target_laws(pair, ids, out, temperature, kv_tier) if temperature else None  # [N, V]
     positions = [_position(p, name, lookahead, drafted, out, len(ids), q, temperature)
                  for p, at in enumerate(drafts, start=1) for name, (lookahead, drafted) in at.items()]
@@ -86,7 +99,7 @@ def trace(pair: ModelPair, prompt: str, task: str | None = None, max_new_tokens:
                stop_reason=stop, config=dict(temperature=temperature, proposers=list(props)))
     if "suffix" in props:
         row["config"]["suffix_history"] = props["suffix"].history.describe()
-    return Trace(row, positions)
+    yield Trace(row, positions)
 
 
 def _position(p: int, name: str, lookahead: int, drafted: list[DraftToken], out: list[int], n_prompt: int,

@@ -226,22 +226,27 @@ class SweepRunner:
             if tier not in pairs:
                 pairs.clear()  # one tier's models at a time, as profile() does
                 pairs[tier] = load(tier)
-            with self._guard(f"trace {task} ({tier_label(tier, kv_tier)})"):
-                made = trace_prompts(store, pairs[tier], [(task, prompt)], spec.max_new_tokens, kv_tier=kv_tier)
+            self._starting(f"trace {task} ({tier_label(tier, kv_tier)})")
+            made = trace_prompts(store, pairs[tier], [(task, prompt)], spec.max_new_tokens, kv_tier=kv_tier,
+                                 turns=lambda steps: self._turns(None, steps))
             self._item_done("trace", made=bool(made))
 
     @contextlib.contextmanager
     def _guard(self, what: Any) -> Iterator[None]:
-        """Around whatever runs the models: stop between runs, then the decode slot."""
+        """Around whatever runs the models as a whole (a cost bucket, a run's opening): stop
+        between items, then the decode slot."""
         if self._stop.is_set():
             raise _Stopped()
-        label = what if isinstance(what, str) else job_label(what)
         with decode_slot(self._who(), on_wait=lambda who: self._update(current=f"waiting for {who}")):
-            if self._stop.is_set():  # pressed while waiting for the slot
-                raise _Stopped()
-            self._update(current=label)
-            self._t0 = time.monotonic()
+            self._starting(what)  # a stop pressed while it waited for the slot
             yield
+
+    def _starting(self, what: Any) -> None:
+        """An item starts: a stop pressed before it ends the sweep here; the status names it."""
+        if self._stop.is_set():
+            raise _Stopped()
+        self._update(current=what if isinstance(what, str) else job_label(what))
+        self._t0 = time.monotonic()
 
     def _turns(self, job: Any, gen: Iterable[Any]) -> Iterator[Any]:
         """A run's steps, a hold of the decode slot each, in turns with the sessions' decodes (the

@@ -50,12 +50,14 @@ def parse_kv_tiers(text: str, engine: str | None = "torch") -> list[str]:
 # -- traces and sweeps ---------------------------------------------------------------------------
 def trace_prompts(st: Store, pair, prompts: list[tuple[str, str]], max_new_tokens: int,
                   temperature: float | None = None, on_start: Callable[[int], None] = lambda n: None,
-                  on_trace: Callable[[], None] = lambda: None, kv_tier: str = "native") -> int:
+                  on_trace: Callable[[], None] = lambda: None, kv_tier: str = "native",
+                  turns: Callable[[Iterable[Any]], Iterable[Any]] = lambda steps: steps) -> int:
     """Traces the prompts not yet traced for this pair, tier, KV tier and length with every
     proposer the pair has (a rerun resumes; a prompt traced before a proposer existed is traced
-    again, and its newest trace is the one replayed); each is stored as it is made. Returns how
+    again, and its newest trace is the one replayed); each is stored as it is made. A trace's
+    steps are taken through `turns` (the workbench: a hold of its decode slot each). Returns how
     many were made."""
-    from engine.lab.profiling import trace
+    from engine.lab.profiling import tracing
     from engine.oracles import available
 
     have = st.traces(target=pair.target_name, draft=pair.draft_name, target_tier=pair.target_tier,
@@ -68,7 +70,7 @@ def trace_prompts(st: Store, pair, prompts: list[tuple[str, str]], max_new_token
     todo = [(task, prompt) for task, prompt in prompts if prompt not in done]
     on_start(len(todo))
     for task, prompt in todo:
-        tr = trace(pair, prompt, task, max_new_tokens, temperature=temperature, kv_tier=kv_tier)
+        *_, tr = turns(tracing(pair, prompt, task, max_new_tokens, temperature=temperature, kv_tier=kv_tier))
         st.add_trace(tr.row, tr.positions)
         on_trace()
     return len(todo)
