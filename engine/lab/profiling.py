@@ -77,6 +77,7 @@ def tracing(pair: ModelPair, prompt: str, task: str | None = None, max_new_token
     # step a live run could take, so each proposer is in the state a live run leaves it at that
     # context, whatever it drafted before (the exactness duty, docs/architecture.md).
     budget = min(max_new_tokens, pair.max_context - len(ids))
+    yield None  # the proposers have read the prompt (the draft's prefill); the target's is next
     first = verifier.prefill()
     for prop in props.values():
         prop.update(0, [first])
