@@ -294,13 +294,21 @@ def second_server(model: list[str], work: Path) -> Outcome:
 SWEEP_ENDED = re.compile(r"Sweep killed: (\d+)/(\d+) done(?: \((\d+) stored before\))?")
 
 
-def _start_sweep(page, name: str, per_task: int) -> None:
+# The Profile page's progress has stored at least `n` items ("3/24 runs · …").
+SWEEP_DONE = r"""(n) => { const p = document.querySelector('[data-testid="stProgress"]');
+    const m = p && p.textContent.match(/(\d+)\/\d+ runs/); return !!m && Number(m[1]) >= n; }"""
+
+
+def _start_sweep(page, name: str, per_task: int, stored: int = 0) -> None:
+    """Profile's Start pressed; returns once its progress shows, and `stored` items are stored."""
     browser.go(page, "Profile", timeout_s=START_S)
     page.get_by_role("textbox", name="Sweep name").fill(name)
     page.get_by_role("spinbutton", name="Prompts per task").fill(str(per_task))
     page.get_by_role("spinbutton", name="Max new tokens").fill("32")
     page.get_by_role("button", name="Start").click()
     page.locator('[data-testid="stProgress"]').first.wait_for(timeout=START_S * 1e3)
+    if stored:
+        page.wait_for_function(SWEEP_DONE, arg=stored, timeout=START_S * 1e3, polling=browser.POLL_MS)
 
 
 TRAINING = "Fitting the MLP"  # the Replay & retrain page's line while a retrain runs
@@ -332,7 +340,8 @@ def server_killed(model: list[str], work: Path, per_task: int = 1) -> Outcome:
     with browser.app_server(env, procs=procs) as url, browser.chromium_page() as page:
         page.goto(url, wait_until="networkidle")
         page.get_by_role("heading", name="Live decode").wait_for(timeout=START_S * 1e3)
-        _start_sweep(page, "killed", per_task)
+        # Something stored first: the decode below then takes turns with the sweep's steps.
+        _start_sweep(page, "killed", per_task, stored=1)
         trainer = page.context.browser.new_page(viewport=page.viewport_size)  # a second session
         trainer.goto(url, wait_until="networkidle")
         browser.go(page, "Live decode", timeout_s=START_S)
