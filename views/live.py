@@ -36,9 +36,6 @@ POLL_S = 0.1  # how often the page looks at the run between draws
 # Stop reasons as the metric tile shows them (a tile cuts a long value: "max_…").
 STOP_LABELS = {"max_new_tokens": "max tokens", "eos": "EOS", "stopped": "stopped", "context": "context full"}
 MAX_NEW = 8192  # the form's largest request (the engine's own bound is the model's context)
-# While a generation streams, the browser's CSS animations and transitions (the running indicator,
-# stale elements fading) are switched off: headless Chromium repainting them took a third of a core
-# per generation from torch here (1.5 s against 1.0 s of its CPU per 64-token run). Removed after.
 # Per-step columns for the table; the per-position lists stay in the store.
 TABLE_COLUMNS = [
     "step", "position", "proposer", "k_chosen", "k_drafted", "accepted", "emitted", "text",

@@ -249,8 +249,8 @@ class SweepRunner:
         self._t0 = time.monotonic()
 
     def _turns(self, job: Any, gen: Iterable[Any]) -> Iterator[Any]:
-        """A run's steps, a hold of the decode slot each, in turns with the sessions' decodes (the
-        run opened in `_guard`, where the status says what runs)."""
+        """A run's or a trace's steps, a hold of the decode slot each, in turns with the sessions'
+        decodes (the status already says what runs)."""
         return stepped(gen, self._who())
 
     def _who(self) -> str:
