@@ -155,3 +155,30 @@ def test_a_sweep_takes_turns_with_a_live_decode_a_step_each(trace, tiny_pair, tm
     assert len(_keys(tmp_path / "turns.duckdb")) == 4
     with Store(tmp_path / "turns.duckdb", read_only=True) as st:
         assert len(st.traces()) == (2 if trace else 0)
+
+
+def test_a_trace_steps_in_inference_mode_wherever_it_is_resumed(tiny_pair, monkeypatch):
+    """Taken a step at a time from a thread outside inference mode (the sweep's), each step still
+    runs inside it: no autograd graph, and no error on the inference tensors a live run cached."""
+    import torch
+
+    from engine.lab import profiling
+
+    modes: list[bool] = []
+    real = profiling.target_verifier
+
+    def spied(*args, **kw):
+        verifier = real(*args, **kw)
+        verify = verifier.verify
+
+        def verify_(*a, **k):
+            modes.append(torch.is_inference_mode_enabled())
+            return verify(*a, **k)
+
+        verifier.verify = verify_
+        return verifier
+
+    monkeypatch.setattr(profiling, "target_verifier", spied)
+    items = list(profiling.tracing(tiny_pair, "Hi there", "chat", 6))
+    assert not torch.is_inference_mode_enabled()
+    assert isinstance(items[-1], profiling.Trace) and modes and all(modes)

@@ -44,7 +44,6 @@ def _always(j: int, token: DraftToken) -> bool:
     return True
 
 
-@torch.inference_mode()
 def trace(pair: ModelPair, prompt: str, task: str | None = None, max_new_tokens: int = 128,
           chat: bool = True, k_max: int = K_MAX, temperature: float | None = None,
           kv_tier: str = "native", proposers: tuple[str, ...] | None = None, history=None) -> Trace:
@@ -54,17 +53,19 @@ def trace(pair: ModelPair, prompt: str, task: str | None = None, max_new_tokens:
     return made
 
 
+@torch.inference_mode()  # on a generator: each step resumes inside the mode
 def tracing(pair: ModelPair, prompt: str, task: str | None = None, max_new_tokens: int = 128,
             chat: bool = True, k_max: int = K_MAX, temperature: float | None = None,
             kv_tier: str = "native", proposers: tuple[str, ...] | None = None,
             history=None) -> Iterator[Trace | None]:
     """A trace a target step per item (None), the Trace last: whoever shares the models (the
-    workbench's decode slot) takes turns between the steps. The target's greedy output for `prompt` (its KV cache at `kv_tier`) and every proposer's
-    (`proposers`, default: all the pair has) k_max-token proposals along it. With `temperature`,
-    each position also gets Σ min(p, q) of the warped first-token laws (the acceptance
-    probability speculative sampling would have there), for proposers whose tokens carry a law.
-    The suffix proposer reads `history` (a SuffixHistory, snapshotted here; None: none), which
-    the row's config describes: a live run replays exactly over the trace when it read the same."""
+    workbench's decode slot) takes turns between the steps. The target's greedy output for
+    `prompt` (its KV cache at `kv_tier`) and every proposer's (`proposers`, default: all the pair
+    has) k_max-token proposals along it. With `temperature`, each position also gets Σ min(p, q)
+    of the warped first-token laws (the acceptance probability speculative sampling would have
+    there), for proposers whose tokens carry a law. The suffix proposer reads `history` (a
+    SuffixHistory, snapshotted here; None: none), which the row's config describes: a live run
+    replays exactly over the trace when it read the same."""
     ids = encode_prompt(pair.tokenizer, prompt, chat)
     Generation(pair, ids, make_policy("ar"), GenConfig(max_new_tokens=max_new_tokens, kv_tier=kv_tier))  # checks them as a run does
     sampler = Sampler(0.0, 1.0, None, pair.device)
