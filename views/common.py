@@ -96,12 +96,18 @@ def show_error(e: BaseException) -> None:
 @st.cache_resource(show_spinner=False, max_entries=2)
 def _pair(target: str | None, draft: str | None, target_tier: str, engine: str = "torch"):
     pair = load_pair(target, draft, target_tier=target_tier, engine=engine)
-    # The imports and the pair live as long as the server: frozen (once collected), Python's full
-    # collections walk only what the pages make since, not the half a million objects these hold,
-    # while holding the GIL that the decode and every page share.
+    freeze_long_lived()
+    return pair
+
+
+def freeze_long_lived() -> None:
+    """The imports and the loaded pairs live as long as the server: frozen, Python's full
+    collections walk only what the pages make since, not the half a million objects these hold,
+    while holding the GIL that the decode and every page share. Unfrozen and collected first, so
+    that a pair evicted from the cache since the last load is not kept for good."""
+    gc.unfreeze()
     gc.collect()
     gc.freeze()
-    return pair
 
 
 @st.cache_resource(show_spinner=False, max_entries=4)

@@ -228,7 +228,7 @@ class SweepRunner:
                 pairs[tier] = load(tier)
             self._starting(f"trace {task} ({tier_label(tier, kv_tier)})")
             made = trace_prompts(store, pairs[tier], [(task, prompt)], spec.max_new_tokens, kv_tier=kv_tier,
-                                 turns=lambda steps: self._turns(None, steps))
+                                 turns=self._turns)
             self._item_done("trace", made=bool(made))
 
     @contextlib.contextmanager
@@ -248,10 +248,10 @@ class SweepRunner:
         self._update(current=what if isinstance(what, str) else job_label(what))
         self._t0 = time.monotonic()
 
-    def _turns(self, job: Any, gen: Iterable[Any]) -> Iterator[Any]:
+    def _turns(self, steps: Iterable[Any]) -> Iterator[Any]:
         """A run's or a trace's steps, a hold of the decode slot each, in turns with the sessions'
         decodes (the status already says what runs)."""
-        return stepped(gen, self._who())
+        return stepped(steps, self._who())
 
     def _who(self) -> str:
         """What the decode slot's "busy" line names while this sweep holds it."""

@@ -102,7 +102,7 @@ def profile(st: Store, sweep: str, jobs: list, load: Callable[[str], object], ma
             on_start: Callable[[int], None] = lambda n: None, on_run: Callable[[], None] = lambda: None,
             say: Callable[[str], None] = lambda m: None,
             guard: Callable[[Any], ContextManager[Any]] = lambda job: contextlib.nullcontext(),
-            turns: Callable[[Any, Any], Iterable[Any]] = lambda job, gen: gen) -> int:
+            turns: Callable[[Iterable[Any]], Iterable[Any]] = lambda steps: steps) -> int:
     """Runs the sweep's jobs that have no stored run in it yet, tier by tier (a tier's pair loads
     once, through `load(tier)`), then KV tier by KV tier (the cost table policies weigh is the
     KV tier's); each run is stored as it finishes, so an interrupted sweep keeps what it did and
@@ -110,9 +110,10 @@ def profile(st: Store, sweep: str, jobs: list, load: Callable[[str], object], ma
     cannot run) is stored as failed with its one-line reason and the sweep goes on, as on a
     cluster. Each bucket of a KV tier's cost measurement and each run's opening run inside
     `guard(job)`: the workbench takes its decode slot there, and stops a sweep between runs by
-    raising from it (engine/service/jobs.py). A run's steps are taken through `turns(job, gen)`:
-    the workbench takes the slot a step at a time there (engine/lab/slots.stepped), so a session's
-    Generate waits for a step of the sweep's run, not for the whole run. Returns how many ran."""
+    raising from it (engine/service/jobs.py). A run's steps are taken through `turns(gen)`, as
+    a trace's are in trace_prompts: the workbench takes the slot a step at a time there
+    (engine/lab/slots.stepped), so a session's Generate waits for a step of the sweep's run, not
+    for the whole run. Returns how many ran."""
     from engine.lab.generation import encode_prompt
     from engine.lab.profiling import pending
     from engine.runtime.models import pair_device
@@ -143,7 +144,7 @@ def profile(st: Store, sweep: str, jobs: list, load: Callable[[str], object], ma
                         error = e
                 if error is None:
                     try:
-                        for _ in turns(job, gen):
+                        for _ in turns(gen):
                             pass
                     except Exception as e:  # noqa: BLE001 - stored as failed below
                         error = e
