@@ -40,7 +40,7 @@ def test_generate_streams_summarises_and_stores(app_env):
     assert metrics["Prefix reuse"] in {"miss", "partial", "exact"}  # reuse is on by default
     assert float(metrics["Tokens/s"]) > 0
     assert metrics["Stop reason"] in {"EOS", "max tokens", "context full"}
-    assert len(at.get("plotly_chart")) == 1
+    assert len(at.get("vega_lite_chart")) == 1
 
     saved = [s.value for s in at.success]
     assert len(saved) == 1 and saved[0].startswith("Stored as run "), saved
@@ -53,9 +53,10 @@ def test_generate_streams_summarises_and_stores(app_env):
     # budget leaves no room to draft) with nobody. The γ timeline marks the draft's points.
     assert table["proposer"].iloc[0] == "" and set(table["proposer"]) <= {"", "draft"}
     assert (table["proposer"] == "draft").any()
-    marks = {d["name"]: d for d in json.loads(at.get("plotly_chart")[0].proto.spec)["data"] if "γ by" in d["name"]}
-    assert marks["γ by draft"]["showlegend"] and any(y is not None for y in marks["γ by draft"]["y"])
-    assert not marks["γ by ngram"]["showlegend"]  # in the legend once it drafts
+    # The γ panel shapes each drafted point by its proposer; the legend lists who drafted only.
+    spec = json.loads(at.get("vega_lite_chart")[0].proto.spec)
+    gamma = next(v for row in spec["vconcat"] for v in row["hconcat"] if v["title"] == "Chosen γ")
+    assert gamma["layer"][1]["encoding"]["shape"]["scale"] == {"domain": ["draft"], "range": ["circle"]}
 
     with Store(app_env) as store:
         run = store.run(run_id)

@@ -37,7 +37,7 @@ def test_two_greedy_policies_side_by_side_and_stored(app_env):
     assert len(table) == 2 and list(table["policy"]) == ["ar", "fixed:2"]
     assert (table["tokens_per_s"] > 0).all() and table["acceptance_rate"].isna().tolist() == [True, False]
     assert list(table["proposers"]) == ["—", "draft 100%"]  # the proposer mix: who drafted the drafting steps
-    assert len(at.get("plotly_chart")) == 1  # the γ timelines
+    assert len(at.get("vega_lite_chart")) == 1  # the γ timelines
     assert any("identical" in s.value for s in at.success), [s.value for s in at.success]
     assert any(s.value.startswith("Stored 2 runs") for s in at.success)
 
@@ -93,7 +93,7 @@ def test_whatif_replays_the_stored_traces(app_env, tiny_pair):
     assert list(table.columns) == ["ar", "fixed:2", "fixed:4"]
     assert {task for _, task in table.index} == {"all", "chat", "code"}
     assert (table.to_numpy() > 0).all()
-    assert len(at.get("plotly_chart")) == 1
+    assert len(at.get("vega_lite_chart")) == 1
 
 
 def test_corrupt_db_is_one_line_and_left_untouched(app_env):

@@ -31,7 +31,7 @@ def test_stored_runs_are_filtered_plotted_and_downloadable(app_env, tiny_pair):
     at = _runs_page()
     assert not at.exception and not _errors(at), _errors(at)
     assert [t.label for t in at.tabs] == ["Runs", "Acceptance", "Best γ", "Tokens/s by policy"]
-    assert not at.get("plotly_chart")  # the runs tab opens first: no figure is made for the others
+    assert not at.get("vega_lite_chart")  # the runs tab opens first: no figure is made for the others
     assert len(at.dataframe) == 1 and len(at.dataframe[0].value) == 6
     labels = [b.proto.label for b in at.get("download_button")]
     assert labels == ["Runs (CSV)", "Runs (Parquet)", "Steps (CSV)", "Steps (Parquet)"]
@@ -44,14 +44,14 @@ def test_stored_runs_are_filtered_plotted_and_downloadable(app_env, tiny_pair):
         assert bool(at.get("download_button")) == (label == "Runs")  # only the open tab is drawn
 
     open_tab("Acceptance")  # acceptance against the draft's signals
-    assert len(at.get("plotly_chart")) == 1 and any("drafting steps" in c.value for c in at.caption)
+    assert len(at.get("vega_lite_chart")) == 1 and any("drafting steps" in c.value for c in at.caption)
     open_tab("Best γ")  # the heatmap and its table
-    assert len(at.get("plotly_chart")) == 1
+    assert len(at.get("vega_lite_chart")) == 1
     best = at.dataframe[0].value
     assert sorted(best["task"]) == ["chat", "code"] and set(best["best_gamma"]) <= {0, 2, 4}
     assert set(best["gammas"]) == {3}
     open_tab("Tokens/s by policy")
-    assert len(at.get("plotly_chart")) == 1
+    assert len(at.get("vega_lite_chart")) == 1
     assert sorted(at.dataframe[0].value["policy"]) == ["ar", "fixed:2", "fixed:4"]
 
     # A filter narrows every view.

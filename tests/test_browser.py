@@ -125,9 +125,9 @@ def test_live_decode_in_the_browser_keeps_up_with_the_cli(session):
     shown = r["browser_metrics"]
     assert float(shown["Tokens/step"]) == round(r["cli_tokens_per_step"], 2), (shown, r["cli_tokens_per_step"])
     _no_error(page)
-    page.locator('[data-testid="stPlotlyChart"]').first.wait_for(timeout=TIMEOUT_MS)  # the step charts
+    page.locator('[data-testid="stVegaLiteChart"]').first.wait_for(timeout=TIMEOUT_MS)  # the step charts
     page.locator('[data-testid="stDataFrame"]').first.wait_for(timeout=TIMEOUT_MS)  # the step table
-    page.wait_for_timeout(2000)  # plotly draws after the element appears
+    page.wait_for_timeout(2000)  # Vega draws after the element appears
     page.screenshot(path=str(SHOTS / "live.png"), full_page=True)
     assert r["ratio"] >= FLOOR, r
     assert shown["Stop reason"] in {"EOS", "max tokens"}
@@ -140,7 +140,7 @@ def test_compare_two_policies(session):
     page.get_by_text("identical", exact=False).first.wait_for(timeout=TIMEOUT_MS)
     B.wait_idle(page, TIMEOUT_MS / 1e3)
     _no_error(page)
-    assert page.locator('[data-testid="stPlotlyChart"]').count() >= 1  # the γ timelines
+    assert page.locator('[data-testid="stVegaLiteChart"]').count() >= 1  # the γ timelines
     assert page.locator('[data-testid="stDataFrame"]').count() >= 1  # the summary table
     page.screenshot(path=str(SHOTS / "compare.png"), full_page=True)
 
@@ -190,7 +190,7 @@ def test_runs_page_plots_and_downloads(session):
     with page.expect_download(timeout=TIMEOUT_MS) as dl:
         page.get_by_role("button", name="Runs (CSV)", exact=True).click()
     assert dl.value.suggested_filename.endswith(".csv")
-    charts = page.locator('[data-testid="stPlotlyChart"]')
+    charts = page.locator('[data-testid="stVegaLiteChart"]')
     for tab in ("Best γ", "Tokens/s by policy", "Acceptance"):  # each tab draws its figure when opened
         page.get_by_role("tab", name=tab, exact=True).click()
         charts.first.wait_for(timeout=TIMEOUT_MS)

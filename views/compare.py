@@ -8,7 +8,6 @@ import os
 import time
 
 import pandas as pd
-import plotly.graph_objects as go
 import streamlit as st
 
 from engine.base.names import tiers_of
@@ -21,6 +20,7 @@ from engine.service import context_for, measure_in_turns, reach, replay_rows
 from engine.service.cost_tables import MODEL_TOLERANCE, model_checks
 from engine.service.runs import Request, check, run_policies, store_outcome
 from store import Store
+from views.charts import Chart, gamma_chart, grouped_bars
 from views.common import engine_key, get_pair, get_suffix_history, settings, show_error
 
 RESULT_KEY = "compare_result"
@@ -30,9 +30,6 @@ DEFAULT_PROMPT = WORKBENCH_PROMPT
 DEFAULT_POLICIES = ["ar", "fixed:4", DEFAULT_POLICY]
 POLICY_OPTIONS = list(dict.fromkeys(["ar"] + [f"fixed:{k}" for k in range(1, 9)] + POLICY_EXAMPLES))
 PROPOSERS_KEY = "speclab_proposers"  # the loaded pair's proposers (as views/live.py keeps them)
-# Marker shapes of the proposers on the γ timelines; a plain step is a small dot.
-PROPOSER_SYMBOLS = {"draft": "circle", "eagle": "diamond", "ngram": "square", "suffix": "triangle-up",
-                    "": "circle-open"}
 WHATIF_DEFAULT = ["ar", "fixed:2", "fixed:4", "heuristic", "rakv"]
 
 
@@ -131,22 +128,6 @@ def run_compare(inp: dict) -> dict | None:
     )
 
 
-def gamma_figure(series: dict[str, tuple[list[int], list[int]]],
-                 proposers: dict[str, list[str]] | None = None) -> go.Figure:
-    """γ per step, one line per policy; each point's shape says who drafted it (`proposers`)."""
-    fig = go.Figure()
-    for policy, (x, y) in series.items():
-        who = (proposers or {}).get(policy) or [""] * len(x)
-        fig.add_trace(go.Scatter(x=x, y=y, name=policy, mode="lines+markers", line_shape="hv",
-                                 marker=dict(size=[4 if p == "" else 7 for p in who],
-                                             symbol=[PROPOSER_SYMBOLS.get(p, "circle") for p in who]),
-                                 text=[p or "plain" for p in who],
-                                 hovertemplate="step %{x}: γ %{y} (%{text})<extra>" + policy + "</extra>"))
-    fig.update_layout(height=300, margin=dict(l=10, r=10, t=30, b=10), title="Chosen γ per step",
-                      xaxis_title="step", yaxis_title="γ", legend=dict(orientation="h", y=-0.25))
-    return fig
-
-
 def show_difference(d: dict, greedy: bool, n_prompts: int, engine: str = "torch") -> None:
     """Greedy: the policies must agree ('identical'), else where they part (on llama.cpp, whose
     batched read rounds otherwise than its one-token read, a measured divergence). Sampling with
@@ -192,7 +173,7 @@ def show_result(res: dict) -> None:
     if len(prompts) > 1:
         pick = st.selectbox("Prompt", range(len(prompts)), format_func=lambda i: f"{i + 1}: {prompts[i][:80]}",
                             key="compare_pick")
-    st.plotly_chart(gamma_figure(C.gamma_series(res["results"], pick), C.proposer_series(res["results"], pick)),
+    st.vega_lite_chart(*gamma_chart(C.gamma_series(res["results"], pick), C.proposer_series(res["results"], pick)),
                     key="compare_gamma")
 
     st.subheader("Outputs")
@@ -276,17 +257,13 @@ def whatif_panel() -> None:
         show_whatif(res)
 
 
-def whatif_figure(rows: list[dict]) -> go.Figure:
+def whatif_chart(rows: list[dict]) -> Chart:
+    """Modelled tokens/s (tokens/step where no cost table prices them) per tier · task, a bar per policy."""
     df = pd.DataFrame(rows)
     df["setting"] = df["tier"] + " · " + df["task"].astype(str)
     value = "tokens_per_s" if df["tokens_per_s"].notna().any() else "tokens_per_step"
-    fig = go.Figure()
-    for policy, g in df.groupby("policy", sort=False):
-        fig.add_trace(go.Bar(x=g["setting"], y=g[value], name=policy))
-    fig.update_layout(barmode="group", height=340, margin=dict(l=10, r=10, t=30, b=10),
-                      yaxis_title="modelled tok/s" if value == "tokens_per_s" else "tokens/step",
-                      legend=dict(orientation="h", y=-0.25))
-    return fig
+    return grouped_bars(df, "setting", "policy", value,
+                        "modelled tok/s" if value == "tokens_per_s" else "tokens/step")
 
 
 def show_whatif(res: dict) -> None:
@@ -295,7 +272,7 @@ def show_whatif(res: dict) -> None:
     st.caption(f"{len(res['policies'])} policies replayed over {prompts} traced prompts per setting in "
                f"{res['seconds']:.1f} s (exact replay, modelled tokens/s from the measured cost tables)")
     st.dataframe(C.whatif_table(rows).round(2), width="stretch")
-    st.plotly_chart(whatif_figure(rows), key="compare_whatif_chart")
+    st.vega_lite_chart(*whatif_chart(rows), key="compare_whatif_chart")
     best = C.whatif_best(rows)
     st.caption("Best: " + "; ".join(f"{tier} {task}: {p}" for (tier, task), p in best.items()))
     for label, agree in res.get("checks", []):  # the model against what the engine's own steps took

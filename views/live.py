@@ -6,25 +6,21 @@ from __future__ import annotations
 import time
 
 import pandas as pd
-import plotly.graph_objects as go
 import streamlit as st
-from plotly.subplots import make_subplots
 
 from engine.base.names import tiers_of
 from engine.datasets.prompts import WORKBENCH_PROMPT
 from engine.decode.policies import DEFAULT_POLICY, POLICY_EXAMPLES
-from engine.decode.records import PROPOSER_NAMES
 from engine.lab.side_by_side import policy_options, proposers_of
 from engine.service.cost_jobs import MEASURER
 from engine.service.live_runs import LiveRun, LiveSnapshot, start_live
 from engine.service.runs import Request, check
+from views.charts import step_chart
 from views.common import engine_key, get_pair, get_prefix_cache, get_suffix_history, settings, show_error
 
 RUN_KEY = "live_run"  # the session's LiveRun (running or the last one)
 INPUT_KEY = "live_run_inputs"  # the form's values that run was started with
 PROPOSERS_KEY = "speclab_proposers"  # the loaded pair's proposers (engine.oracles.available), for the selectors
-# Marker shapes of the proposers on the γ timeline (colours come from the figure's palette).
-PROPOSER_SYMBOLS = {"draft": "circle", "eagle": "diamond", "ngram": "square", "suffix": "triangle-up"}
 DEFAULT_PROMPT = WORKBENCH_PROMPT
 # Redraw budget while streaming: every redraw is work for this server and for the browser, which
 # share the cores with torch (on 2 cores per-step redraws cut decode speed 2.5–10×). The page polls
@@ -42,92 +38,6 @@ TABLE_COLUMNS = [
     "mean_entropy", "max_entropy", "mean_confidence", "min_confidence",
     "draft_ms", "verify_ms", "decide_ms", "context_len", "why",
 ]
-
-
-# -- charts ----------------------------------------------------------------------------------------
-class StepChart:
-    """One figure, six panels, built once and grown in place step by step."""
-
-    # (panel row, col, trace name, record field, kind)
-    TRACES = [
-        (1, 1, "mean H", "mean_entropy", "line"),
-        (1, 1, "max H", "max_entropy", "line"),
-        (1, 2, "mean conf", "mean_confidence", "line"),
-        (1, 2, "min conf", "min_confidence", "line"),
-        (2, 1, "drafted", "k_drafted", "bar"),
-        (2, 1, "accepted", "accepted", "bar"),
-        (2, 2, "chosen γ", "k_chosen", "step"),
-        *((2, 2, f"γ by {p}", f"proposer:{p}", "mark") for p in PROPOSER_NAMES),
-        (3, 1, "draft ms", "draft_ms", "stack"),
-        (3, 1, "verify ms", "verify_ms", "stack"),
-        (3, 1, "decide ms", "decide_ms", "stack"),
-        (3, 2, "tok/s so far", "running_tps", "line"),
-    ]
-
-    def __init__(self) -> None:
-        fig = make_subplots(
-            rows=3, cols=2, vertical_spacing=0.11, horizontal_spacing=0.08,
-            subplot_titles=("Draft entropy (bits)", "Draft confidence", "Accepted vs drafted", "Chosen γ",
-                            "Step latency split (ms)", "Running tokens/s"),
-        )
-        for row, col, name, field, kind in self.TRACES:
-            if kind in ("bar", "stack"):
-                trace = go.Bar(name=name, x=[], y=[], offsetgroup="latency" if kind == "stack" else None)
-            elif kind == "mark":  # the γ line's points, one colour per proposer that drafted them
-                proposer = field.partition(":")[2]
-                trace = go.Scatter(name=name, x=[], y=[], mode="markers", showlegend=False,
-                                   marker=dict(size=8, symbol=PROPOSER_SYMBOLS.get(proposer, "circle")))
-            else:
-                shape = "hv" if kind == "step" else "linear"
-                trace = go.Scatter(name=name, x=[], y=[], mode="lines+markers",
-                                   line_shape=shape, marker_size=4, connectgaps=False)
-            fig.add_trace(trace, row=row, col=col)
-        # The legend above the panels: below them it sat on the bottom row's axis title.
-        fig.update_layout(
-            height=700, margin=dict(l=10, r=10, t=80, b=10), barmode="overlay",
-            legend=dict(orientation="h", yanchor="bottom", y=1.04, x=0), uirevision="live",
-        )
-        fig.update_yaxes(range=[0, 1.02], row=1, col=2)
-        fig.update_xaxes(title_text="step", row=3)
-        self.fig = fig
-        self.x: list[int] = []
-        self.y: list[list] = [[] for _ in self.TRACES]
-        self._tokens, self._ms = 0, 0.0
-
-    def add(self, rec: dict) -> None:
-        self._tokens += rec["emitted"]
-        self._ms += rec["draft_ms"] + rec["verify_ms"] + rec["decide_ms"]
-        if rec["step"] == 0:  # the prefill drafts nothing (and its latency is the TTFT)
-            return
-        rec = dict(rec, running_tps=self._tokens / (self._ms / 1e3) if self._ms else None)
-        self.x.append(rec["step"])
-        for ys, (_, _, _, field, kind) in zip(self.y, self.TRACES):
-            ys.append(_marked(rec, field) if kind == "mark" else rec[field])
-
-    def figure(self) -> go.Figure:
-        with self.fig.batch_update():
-            for trace, ys in zip(self.fig.data, self.y):
-                trace.x, trace.y = self.x, ys
-        self.fig.update_layout(barmode="overlay")  # stacked within the latency group (base set below)
-        for i, (_, _, _, field, kind) in enumerate(self.TRACES):
-            if kind == "mark":  # a proposer in the legend only once it has drafted
-                self.fig.data[i].showlegend = any(v is not None for v in self.y[i])
-            if kind == "stack":  # each latency part starts where the parts before it end
-                below = [t for t, (_, _, _, _, k) in zip(self.y[:i], self.TRACES[:i]) if k == "stack"]
-                self.fig.data[i].base = [sum(v) for v in zip(*below)] if below else None
-        return self.fig
-
-    @classmethod
-    def of(cls, steps: list[dict]) -> go.Figure:
-        chart = cls()
-        for rec in steps:
-            chart.add(rec)
-        return chart.figure()
-
-
-def _marked(rec: dict, field: str) -> int | None:
-    """A "proposer:<name>" mark: the step's γ where that proposer drafted it, else a gap."""
-    return rec["k_chosen"] if rec.get("proposer") == field.partition(":")[2] else None
 
 
 def _policies() -> list[str]:
@@ -223,9 +133,11 @@ def _label(run: LiveRun, snap: LiveSnapshot) -> str:
 
 def follow(run: LiveRun) -> LiveSnapshot:
     """Draws the run while it goes, from this script run: Stop, a status line and the text once a
-    second, the figure every CHART_INTERVAL_S (not in a run's first seconds: a short run ends
-    before, and drawing a six-panel figure in the browser while it decoded cost it a quarter of its
-    speed; nor while other sessions' decodes take turns with this one). Returns the ended run's
+    second, the figure and the step table every CHART_INTERVAL_S (not in a run's first seconds: a
+    short run ends before, and drawing a six-panel figure in the browser while it decoded cost it a
+    quarter of its speed; nor while other sessions' decodes take turns with this one). Both are
+    drawn empty first, so that the browser loads their code while the run decodes rather than as
+    its result arrives (with several sessions, right before their next click). Returns the ended run's
     snapshot. Stop is a widget of the page, not of a fragment: its press asks for a rerun that
     preempts this loop at its next draw (a fragment's own button would wait for the fragment's run
     to end), and its callback, run first in the new script run, sets the decode's stop event.
@@ -233,8 +145,10 @@ def follow(run: LiveRun) -> LiveSnapshot:
     another job (a fragment rerun is a script run for the browser and the server)."""
     st.button("Stop", key="live_stop", icon=":material/stop:", on_click=run.stop,
               help="End the generation after this step; what it made is shown and stored")
-    status_ph, text_ph, chart_ph = st.empty(), st.container(border=True).empty(), st.empty()
+    status_ph, text_ph, chart_ph, table_ph = st.empty(), st.container(border=True).empty(), st.empty(), st.empty()
     drawn, last_text, last_chart = 0, 0.0, time.monotonic()
+    chart_ph.vega_lite_chart(*step_chart([]), key="live_chart_0")
+    table_ph.dataframe(step_table([], run.pair.tokenizer), hide_index=True, width="stretch")
     while not (snap := run.snapshot()).done:
         now = time.monotonic()
         if now - last_text >= TEXT_INTERVAL_S:
@@ -246,7 +160,8 @@ def follow(run: LiveRun) -> LiveSnapshot:
         if (len(snap.steps) > drawn and now - snap.started_at >= CHART_INTERVAL_S
                 and now - last_chart >= CHART_INTERVAL_S and not run.shared()):
             drawn, last_chart = len(snap.steps), now
-            chart_ph.plotly_chart(StepChart.of(snap.steps), key=f"live_chart_{drawn}")
+            chart_ph.vega_lite_chart(*step_chart(snap.steps), key=f"live_chart_{drawn}")
+            table_ph.dataframe(step_table(snap.steps, run.pair.tokenizer), hide_index=True, width="stretch")
         time.sleep(POLL_S)
     return snap
 
@@ -275,7 +190,7 @@ def show_result(run: LiveRun, snap: LiveSnapshot) -> None:
     s = snap.summary
     tok = run.pair.tokenizer
     st.container(border=True).text(tok.decode(snap.token_ids, skip_special_tokens=True), width="stretch")
-    st.plotly_chart(StepChart.of(snap.steps), key="live_chart_result")
+    st.vega_lite_chart(*step_chart(snap.steps), key="live_chart_result")
     cols = st.columns(7)
     cols[0].metric("Tokens/s", _fmt(s["tokens_per_s"], ".1f"))
     cols[1].metric("TTFT ms", _fmt(s["ttft_ms"], ".1f"))
@@ -296,9 +211,14 @@ def show_result(run: LiveRun, snap: LiveSnapshot) -> None:
                    f"{p['refused']} refused; {p.get('spilled_entries', 0)} spilled to disk "
                    f"({p.get('spill_bytes', 0) / 2**20:.1f} MiB), {p.get('spill_hits', 0)} brought back")
     getattr(st, snap.stored.level)(snap.stored.message)
+    st.dataframe(step_table(snap.steps, tok), hide_index=True, width="stretch")
+
+
+def step_table(steps: list[dict], tok) -> pd.DataFrame:
+    """The steps as the table shows them: TABLE_COLUMNS, each step's tokens as text."""
     rows = [dict({k: v for k, v in r.items() if k in TABLE_COLUMNS},
-                 text=tok.decode(r["token_ids"], skip_special_tokens=False)) for r in snap.steps]
-    st.dataframe(pd.DataFrame(rows, columns=TABLE_COLUMNS), hide_index=True, width="stretch")
+                 text=tok.decode(r["token_ids"], skip_special_tokens=False)) for r in steps]
+    return pd.DataFrame(rows, columns=TABLE_COLUMNS)
 
 
 @st.fragment(run_every=5.0)

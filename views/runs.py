@@ -9,12 +9,11 @@ import os
 from datetime import date
 
 import pandas as pd
-import plotly.graph_objects as go
 import streamlit as st
-from plotly.subplots import make_subplots
 
 from engine.service import runs_view as V
 from store import Store, file_stamp
+from views.charts import acceptance_chart, best_gamma_chart, grouped_bars
 from views.common import settings, show_error
 
 # Past this many steps the steps' CSV is made when its button is clicked (it takes seconds).
@@ -67,45 +66,6 @@ def filters(runs: pd.DataFrame) -> V.Filters:
     return V.Filters(tuple(pairs), tuple(tiers), tuple(policies), tuple(tasks), since, until)
 
 
-def acceptance_figure(points: pd.DataFrame) -> go.Figure:
-    """Acceptance against mean entropy and mean confidence: the sampled steps as dots, the mean per
-    bin (over the same sample) as a line."""
-    fig = make_subplots(rows=1, cols=2, horizontal_spacing=0.08,
-                        subplot_titles=("against mean draft entropy (bits)", "against mean draft confidence"))
-    for col, signal in ((1, "mean_entropy"), (2, "mean_confidence")):
-        fig.add_trace(go.Scattergl(x=points[signal], y=points["acceptance"], mode="markers", name="steps",
-                                   marker=dict(size=4, opacity=0.25), showlegend=col == 1), row=1, col=col)
-        bins = V.acceptance_bins(points, signal)
-        fig.add_trace(go.Scatter(x=bins[signal], y=bins["acceptance"], mode="lines+markers", name="bin mean",
-                                 customdata=bins["steps"], hovertemplate="%{y:.2f} over %{customdata} steps",
-                                 line=dict(width=3), showlegend=col == 1), row=1, col=col)
-    fig.update_yaxes(title_text="accepted / drafted", range=[-0.02, 1.02], row=1, col=1)
-    fig.update_layout(height=360, margin=dict(l=10, r=10, t=40, b=10), legend=dict(orientation="h", y=-0.2))
-    return fig
-
-
-def best_gamma_figure(best: pd.DataFrame) -> go.Figure:
-    gamma, tps = V.best_gamma_grid(best)
-    text = [[("" if pd.isna(g) else f"γ {int(g)}<br>{t:.1f} tok/s") for g, t in zip(gr, tr)]
-            for gr, tr in zip(gamma.to_numpy(), tps.to_numpy())]
-    fig = go.Figure(go.Heatmap(z=gamma.to_numpy(), x=list(gamma.columns), y=list(gamma.index), text=text,
-                               texttemplate="%{text}", colorscale="Viridis", colorbar=dict(title="best γ"),
-                               hovertemplate="%{y} · %{x}: %{text}<extra></extra>"))
-    fig.update_layout(height=120 + 50 * len(gamma.index), margin=dict(l=10, r=10, t=30, b=10),
-                      xaxis_title="task", yaxis_title="tier")
-    return fig
-
-
-def speed_figure(speeds: pd.DataFrame) -> go.Figure:
-    fig = go.Figure()
-    for tier, g in speeds.groupby("tier", sort=True):
-        fig.add_trace(go.Bar(x=g["policy"], y=g["tokens_per_s"], name=tier, customdata=g["runs"],
-                             hovertemplate="%{x}: %{y:.1f} tok/s over %{customdata} runs"))
-    fig.update_layout(barmode="group", height=320, margin=dict(l=10, r=10, t=30, b=10),
-                      yaxis_title="tokens/s (all tokens / all wall time)", legend=dict(orientation="h", y=-0.25))
-    return fig
-
-
 @st.cache_data(max_entries=8, show_spinner=False)
 def _encoded(db: str, stamp: tuple, chosen: tuple, encode: str, which: str) -> bytes:
     """One download's bytes for the runs `chosen` (their ids) as of `stamp`: encoded once per
@@ -153,7 +113,9 @@ def acceptance(picked: pd.DataFrame) -> None:
     if not len(points):
         st.caption("No drafting steps in the selection (ar runs draft nothing).")
         return
-    st.plotly_chart(acceptance_figure(points), key="runs_acceptance")
+    bins = {signal: V.acceptance_bins(points, signal) for signal in ("mean_entropy", "mean_confidence")}
+    st.vega_lite_chart(*acceptance_chart(points[["mean_entropy", "mean_confidence", "acceptance"]], bins),
+                    key="runs_acceptance")
     n = int((picked["k_drafted"] > 0).sum())
     st.caption(f"Acceptance against the draft's signals: {len(points)} of {n} drafting steps"
                + (" (a sample)" if len(points) < n else ""))
@@ -164,13 +126,14 @@ def best_gamma(chosen: pd.DataFrame) -> None:
     if not len(best):
         st.caption("No ar or fixed:k runs in the selection: a profile sweep over them finds the best γ.")
         return
-    st.plotly_chart(best_gamma_figure(best), key="runs_best_gamma")
+    st.vega_lite_chart(*best_gamma_chart(best), key="runs_best_gamma")
     st.dataframe(best, hide_index=True, width="stretch")
 
 
 def speed(chosen: pd.DataFrame) -> None:
     speeds = V.speed_by_policy(chosen)
-    st.plotly_chart(speed_figure(speeds), key="runs_speed")
+    st.vega_lite_chart(*grouped_bars(speeds, "policy", "tier", "tokens_per_s", "tokens/s (all tokens / all wall time)",
+                                 more=("runs",)), key="runs_speed")
     st.dataframe(speeds, hide_index=True, width="stretch")
 
 
