@@ -16,7 +16,7 @@ import pandas as pd
 # Point shapes of the proposers (Vega-Lite's shape names), the same on every page.
 PROPOSER_SYMBOLS = {"draft": "circle", "eagle": "diamond", "ngram": "square", "suffix": "triangle-up"}
 # Two panels side by side fill the wide layout's main column on a laptop's screen.
-PANEL_W, PANEL_H = 430, 150
+PANEL_W, PANEL_H = 400, 150
 
 
 class Chart(NamedTuple):
