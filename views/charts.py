@@ -4,9 +4,9 @@ drawn by Streamlit's own chart element (`st.vega_lite_chart(data, spec)`) on a c
 Why not plotly: a browser compiles a page's chart library before its first figure shows, and
 Vega's is a sixth of plotly's; with several sessions on one machine that compile came right
 before their next click. Why plain dicts and not Altair: Altair validates every channel against
-the schema as a chart is built, ~0.1 s per figure on the server, holding the GIL every session
-and the decode share (docs/benchmarks.md, bench load). Pure functions: records or DataFrames in,
-(data, spec) out, no Streamlit calls."""
+the schema as a chart is built, on the server, under the GIL every session and the decode share
+(the figures: docs/benchmarks.md, bench load); tests/test_charts.py validates the specs instead.
+Pure functions: records or DataFrames in, (data, spec) out, no Streamlit calls."""
 from __future__ import annotations
 
 from typing import Any, NamedTuple
@@ -48,7 +48,8 @@ def _top_legend(field: str, **more) -> dict:
 def _proposer_shape(proposers: list[str], orient: str) -> dict:
     """Each proposer's own shape; the legend lists the proposers in `proposers` only (those that
     drafted here), in the order of PROPOSER_SYMBOLS."""
-    seen = [p for p in PROPOSER_SYMBOLS if p in proposers] + sorted({p for p in proposers if p and p not in PROPOSER_SYMBOLS})
+    others = sorted({p for p in proposers if p and p not in PROPOSER_SYMBOLS})
+    seen = [p for p in PROPOSER_SYMBOLS if p in proposers] + others
     return _n("proposer", scale={"domain": seen, "range": [PROPOSER_SYMBOLS.get(p, "cross") for p in seen]},
               legend={"orient": orient})
 
@@ -76,7 +77,8 @@ def step_frame(steps: list[dict]) -> pd.DataFrame:
         if rec["step"] == 0:
             continue
         rec = dict(rec, running_tps=tokens / (ms / 1e3) if ms else None)
-        rows += [(rec["step"], panel, series, rec[field], rec.get("proposer") or "") for panel, series, field in STEP_SERIES]
+        who = rec.get("proposer") or ""
+        rows += [(rec["step"], panel, series, rec[field], who) for panel, series, field in STEP_SERIES]
     return pd.DataFrame(rows, columns=["step", "panel", "series", "value", "proposer"])
 
 
@@ -95,7 +97,8 @@ def step_chart(steps: list[dict]) -> Chart:
     the chosen γ (each drafted point shaped by its proposer), the latency split (stacked) and the
     running tokens/s."""
     def lines(**y) -> dict:
-        return {"mark": _LINE, "encoding": {"y": _q("value", None, **y), "color": _top_legend("series"), "tooltip": _TIP}}
+        return {"mark": _LINE,
+                "encoding": {"y": _q("value", None, **y), "color": _top_legend("series"), "tooltip": _TIP}}
 
     entropy = _panel("entropy", "Draft entropy (bits)", lines())
     confidence = _panel("confidence", "Draft confidence", lines(scale={"domain": [0, 1]}))
@@ -111,7 +114,8 @@ def step_chart(steps: list[dict]) -> Chart:
                     "encoding": {"y": _q("value", None), "shape": _proposer_shape(drafted_by, "top"),
                                  "tooltip": [_q("step"), _q("value", "γ"), _n("proposer")]}})
     latency = _panel("latency", "Step latency split (ms)", {
-        "mark": "bar", "encoding": {"y": _q("value", None, stack="zero"), "color": _top_legend("series"), "tooltip": _TIP}})
+        "mark": "bar",
+        "encoding": {"y": _q("value", None, stack="zero"), "color": _top_legend("series"), "tooltip": _TIP}})
     speed = _panel("speed", "Running tokens/s", {"mark": _LINE, "encoding": {"y": _q("value", None), "tooltip": _TIP}})
     spec = {"vconcat": [{"hconcat": [entropy, confidence]}, {"hconcat": [accepted, gamma]},
                         {"hconcat": [latency, speed]}],
@@ -130,7 +134,8 @@ def gamma_chart(series: dict[str, tuple[list[int], list[int]]],
     spec = {"title": "Chosen γ per step", "height": 260,
             "encoding": {"x": _q("step", "step"), "y": _q("gamma", "γ"), "color": color},
             "layer": [{"mark": {"type": "line", "interpolate": "step-after"}},
-                      {"transform": _where("datum.proposer !== ''"), "mark": {"type": "point", "size": 50, "filled": True},
+                      {"transform": _where("datum.proposer !== ''"),
+                       "mark": {"type": "point", "size": 50, "filled": True},
                        "encoding": {"shape": _proposer_shape(list(df["proposer"]), "bottom"),
                                     "tooltip": [_n("policy"), _q("step"), _q("gamma", "γ"), _n("proposer")]}}]}
     return Chart(df, spec)
@@ -176,10 +181,12 @@ def best_gamma_chart(best: pd.DataFrame) -> Chart:
     """The best γ per tier (rows) × task (columns) of runs_view.best_gamma's rows, each cell
     labelled with its γ and tokens/s."""
     cells = best[["tier", "task", "best_gamma", "tokens_per_s"]].dropna(subset=["best_gamma"])
-    cells = cells.assign(label=[f"γ {int(g)} · {t:.1f} tok/s" for g, t in zip(cells["best_gamma"], cells["tokens_per_s"])])
+    labels = [f"γ {int(g)} · {t:.1f} tok/s" for g, t in zip(cells["best_gamma"], cells["tokens_per_s"])]
+    cells = cells.assign(label=labels)
     spec = {"height": 60 * max(cells["tier"].nunique(), 2),
             "encoding": {"x": _n("task", "task", axis={"labelAngle": 0}), "y": _n("tier", "tier")},
             "layer": [{"mark": "rect", "encoding": {"color": _q("best_gamma", "best γ", scale={"scheme": "viridis"}),
                                                     "tooltip": [_n("tier"), _n("task"), _n("label")]}},
-                      {"mark": {"type": "text", "color": "white", "fontWeight": "bold"}, "encoding": {"text": _n("label")}}]}
+                      {"mark": {"type": "text", "color": "white", "fontWeight": "bold"},
+                       "encoding": {"text": _n("label")}}]}
     return Chart(cells, spec)
