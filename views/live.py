@@ -135,9 +135,10 @@ def follow(run: LiveRun) -> LiveSnapshot:
     """Draws the run while it goes, from this script run: Stop, a status line and the text once a
     second, the figure and the step table every CHART_INTERVAL_S (not in a run's first seconds: a
     short run ends before, and drawing a six-panel figure in the browser while it decoded cost it a
-    quarter of its speed; nor while other sessions' decodes take turns with this one). Both are
-    drawn empty first, so that the browser loads their code while the run decodes rather than as
-    its result arrives (with several sessions, right before their next click). Returns the ended run's
+    quarter of its speed; nor while other sessions' decodes take turns with this one). While
+    others' decodes take turns with it, both are drawn empty at once, so that the browser loads
+    their code during the turns it waits rather than as the result arrives (with several sessions,
+    right before their next click); alone, that drawing would take CPU from the decode. Returns the ended run's
     snapshot. Stop is a widget of the page, not of a fragment: its press asks for a rerun that
     preempts this loop at its next draw (a fragment's own button would wait for the fragment's run
     to end), and its callback, run first in the new script run, sets the decode's stop event.
@@ -146,11 +147,13 @@ def follow(run: LiveRun) -> LiveSnapshot:
     st.button("Stop", key="live_stop", icon=":material/stop:", on_click=run.stop,
               help="End the generation after this step; what it made is shown and stored")
     status_ph, text_ph, chart_ph, table_ph = st.empty(), st.container(border=True).empty(), st.empty(), st.empty()
-    drawn, last_text, last_chart = 0, 0.0, time.monotonic()
-    chart_ph.vega_lite_chart(*step_chart([]), key="live_chart_0")
-    table_ph.dataframe(step_table([], run.pair.tokenizer), hide_index=True, width="stretch")
+    drawn, last_text, last_chart, primed = 0, 0.0, time.monotonic(), False
     while not (snap := run.snapshot()).done:
         now = time.monotonic()
+        if not primed and run.shared():
+            chart_ph.vega_lite_chart(*step_chart([]), key="live_chart_0")
+            table_ph.dataframe(step_table([], run.pair.tokenizer), hide_index=True, width="stretch")
+            primed = True
         if now - last_text >= TEXT_INTERVAL_S:
             status_ph.caption(_status(run, snap))
             text_ph.text(run.pair.tokenizer.decode(snap.token_ids, skip_special_tokens=True) or "…", width="stretch")
