@@ -45,7 +45,7 @@ def _top_legend(field: str, **more) -> dict:
     return _n(field, legend={"orient": "top", "title": None}, **more)
 
 
-def _proposer_shape(proposers: list[str], orient: str) -> dict:
+def _proposer_shape(proposers: list[str | None], orient: str) -> dict:
     """Each proposer's own shape; the legend lists the proposers in `proposers` only (those that
     drafted here), in the order of PROPOSER_SYMBOLS."""
     others = sorted({p for p in proposers if p and p not in PROPOSER_SYMBOLS})
@@ -107,11 +107,11 @@ def step_chart(steps: list[dict]) -> Chart:
         "mark": {"type": "bar", "opacity": 0.8},
         "encoding": {"y": _q("value", None, stack=None), "color": _top_legend("series", sort=["drafted", "accepted"]),
                      "order": {"field": "series", "sort": "descending"}, "tooltip": _TIP}})
-    drafted_by = sorted({r.get("proposer") or "" for r in steps} - {""})
+    shape = _proposer_shape([r.get("proposer") for r in steps], "top")
     gamma = _panel("gamma", "Chosen γ",
                    {"mark": {"type": "line", "interpolate": "step-after"}, "encoding": {"y": _q("value", None)}},
                    {"transform": _where("datum.proposer !== ''"), "mark": {"type": "point", "size": 50, "filled": True},
-                    "encoding": {"y": _q("value", None), "shape": _proposer_shape(drafted_by, "top"),
+                    "encoding": {"y": _q("value", None), "shape": shape,
                                  "tooltip": [_q("step"), _q("value", "γ"), _n("proposer")]}})
     latency = _panel("latency", "Step latency split (ms)", {
         "mark": "bar",

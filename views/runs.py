@@ -13,7 +13,7 @@ import streamlit as st
 
 from engine.service import runs_view as V
 from store import Store, file_stamp
-from views.charts import acceptance_chart, best_gamma_chart, grouped_bars
+from views.charts import SIGNALS, acceptance_chart, best_gamma_chart, grouped_bars
 from views.common import settings, show_error
 
 # Past this many steps the steps' CSV is made when its button is clicked (it takes seconds).
@@ -113,9 +113,8 @@ def acceptance(picked: pd.DataFrame) -> None:
     if not len(points):
         st.caption("No drafting steps in the selection (ar runs draft nothing).")
         return
-    bins = {signal: V.acceptance_bins(points, signal) for signal in ("mean_entropy", "mean_confidence")}
-    st.vega_lite_chart(*acceptance_chart(points[["mean_entropy", "mean_confidence", "acceptance"]], bins),
-                    key="runs_acceptance")
+    bins = {signal: V.acceptance_bins(points, signal) for signal in SIGNALS}
+    st.vega_lite_chart(*acceptance_chart(points, bins), key="runs_acceptance")
     n = int((picked["k_drafted"] > 0).sum())
     st.caption(f"Acceptance against the draft's signals: {len(points)} of {n} drafting steps"
                + (" (a sample)" if len(points) < n else ""))
