@@ -25,7 +25,7 @@ from engine.lab.generation import GenConfig, Generation, encode_prompt
 from engine.lab.timing import SPREAD_LIMIT, MachineBusy, Neighbours, busy_limit, timed_medians
 from engine.oracles import PROPOSERS, available, build, draft_head, target_verifier
 from engine.oracles.model import DraftModelProposer, draft_read, target_reads
-from engine.oracles.sampling import Sampler, warp
+from engine.oracles.sampling import Sampler, law_sum, warp
 from engine.runtime.forward import crop_to, forward_logits, sync_device
 from engine.runtime.kv.cache import new_cache
 from engine.runtime.models import ModelPair, pair_device
@@ -113,7 +113,7 @@ def _position(p: int, name: str, lookahead: int, drafted: list[DraftToken], out:
     accept_prob = None
     if q is not None and drafted and drafted[0].p is not None:  # the greedy law p; warped: ∝ p^(1/T)
         p_warped = torch.softmax(torch.log(drafted[0].p) / temperature, dim=-1)
-        accept_prob = float(torch.minimum(p_warped, q[p]).sum())
+        accept_prob = float(law_sum(torch.minimum(p_warped, q[p])))
     elif q is not None and drafted:  # a deterministic proposal (one-hot p, given as None): accepted with q(x)
         accept_prob = float(q[p][drafted[0].token_id])
     return dict(position=p, proposer=name, accept_len=n, draft_ids=[d.token_id for d in drafted],

@@ -8,6 +8,21 @@ import math
 import torch
 
 _LN2 = math.log(2.0)
+# ATen splits a reduction of more than 32,768 elements (its grain) among the intra-op threads,
+# each adding up its share, so a sum over a vocabulary rounds as the thread count says. Summed a
+# block under the grain at a time (one thread each, in order), then the blocks in order, a law's
+# mass and entropy have the same bits on any count: the workbench's decode turns may then drop to
+# one thread while the CPU is wanted elsewhere (engine/runtime/threads.py).
+_BLOCK = 16_384
+
+
+def law_sum(x: torch.Tensor) -> torch.Tensor:
+    """x [..., V] summed over V with the same bits on any intra-op thread count: [..., 1]."""
+    if x.shape[-1] <= _BLOCK:
+        return x.sum(-1, keepdim=True)
+    rows = x.reshape(-1, x.shape[-1])  # [R, V]
+    sums = [torch.stack([b.sum() for b in row.split(_BLOCK)]).sum() for row in rows]
+    return torch.stack(sums).reshape(*x.shape[:-1], 1)
 
 
 def warp(logits: torch.Tensor, temperature: float, top_p: float) -> torch.Tensor:
@@ -20,7 +35,7 @@ def warp(logits: torch.Tensor, temperature: float, top_p: float) -> torch.Tensor
     drop = (sorted_p.cumsum(-1) - sorted_p) >= top_p
     sorted_p = sorted_p.masked_fill(drop, 0.0)
     probs = torch.zeros_like(probs).scatter(-1, idx, sorted_p)
-    return probs / probs.sum(-1, keepdim=True)
+    return probs / law_sum(probs)
 
 
 def greedy_accept(draft: list[int], q_argmax: list[int]) -> tuple[int, int]:
@@ -46,7 +61,7 @@ def rejection_sample(draft: list[int], p: torch.Tensor, q: torch.Tensor, gen: to
         if u[i] * p[i, x] <= q[i, x]:  # u < q/p without dividing by a tiny p
             continue
         residual = (q[i] - p[i]).clamp_min(0.0)
-        total = residual.sum()
+        total = law_sum(residual)[0]
         # q == p up to rounding leaves no residual mass; then q itself is the right law.
         dist = residual / total if total > 0 else q[i]
         return i, int(torch.multinomial(dist, 1, generator=gen))
@@ -91,5 +106,5 @@ class Sampler:
 def draft_signals(p: torch.Tensor) -> tuple[float, float]:
     """(entropy in bits, confidence = max probability) of one drafted position's law [V]."""
     # xlogy gives 0·log 0 = 0, so truncated (top-p) distributions need no epsilon.
-    entropy = -torch.special.xlogy(p, p).sum(-1) / _LN2
+    entropy = -law_sum(torch.special.xlogy(p, p))[..., 0] / _LN2
     return float(entropy), float(p.max())
