@@ -1,5 +1,6 @@
-"""The process's decode slot (engine/lab/slots.py): first come, first served, and a waiter that
-gives up leaves the queue as if it had never come."""
+"""The process's decode slot (engine/lab/slots.py): first come, first served (a session's opening
+turn ahead of the later turns of decodes already running), and a waiter that gives up leaves the
+queue as if it had never come."""
 from __future__ import annotations
 
 import threading
@@ -10,12 +11,12 @@ import pytest
 from engine.lab import slots
 
 
-def _queue_up(names: list[str], order: list[str]) -> list[threading.Thread]:
+def _queue_up(names: list[str], order: list[str], opening: bool = False) -> list[threading.Thread]:
     """One thread per name, each queued (behind the ones before it) before the next starts."""
     threads = []
     for name in names:
         def take(name=name):
-            with slots.decode_slot(name):
+            with slots.decode_slot(name, opening=opening):
                 order.append(name)
                 time.sleep(0.01)  # a decode: the next in line must not slip in meanwhile
         t = threading.Thread(target=take)
@@ -38,6 +39,53 @@ def test_the_slot_is_served_in_arrival_order():
     for t in threads:
         t.join(10)
     assert order == names  # nobody waited behind a decode that came after it
+    assert slots.holder() == "" and slots.queued() == 0
+
+
+def test_openings_go_ahead_of_later_turns_in_arrival_order():
+    """Sessions' first turns queue behind the openings already waiting, ahead of the later turns
+    of decodes already running, and never ahead of the holder."""
+    order: list[str] = []
+    with slots.decode_slot("a sweep"):
+        threads = _queue_up(["later 1", "later 2"], order)
+        threads += _queue_up(["new 1", "new 2"], order, opening=True)
+        threads += _queue_up(["later 3"], order)
+        threads += _queue_up(["new 3"], order, opening=True)
+        assert slots.queued() == 6 and slots.holder() == "a sweep"
+    for t in threads:
+        t.join(10)
+    assert order == ["new 1", "new 2", "new 3", "later 1", "later 2", "later 3"]
+    assert slots.holder() == "" and slots.queued() == 0
+
+
+def test_a_new_stepped_decode_opens_after_the_step_in_progress():
+    """Two decodes take turns; a third, opening, gets the turn after the step running when it
+    came, not a turn after each of theirs; then all three take turns."""
+    order: list[str] = []
+    started = threading.Event()
+
+    def steps(name: str, n: int):
+        for i in range(n):
+            order.append(f"{name}{i}")
+            if name == "a" and i == 1:
+                started.set()
+                time.sleep(0.05)  # c queues during this step, with b's next turn already waiting
+            time.sleep(0.005)
+            yield i
+
+    threads = [threading.Thread(target=lambda n=name: list(slots.stepped(steps(n, 4), n))) for name in "ab"]
+    with slots.decode_slot("a sweep run"):
+        for t in threads:
+            before = slots.queued()
+            t.start()
+            while slots.queued() == before:
+                time.sleep(0.001)
+    assert started.wait(10)
+    c = threading.Thread(target=lambda: list(slots.stepped(steps("c", 2), "c", opening=True)))
+    c.start()
+    for t in threads + [c]:
+        t.join(10)
+    assert order.index("c0") == order.index("a1") + 1, order
     assert slots.holder() == "" and slots.queued() == 0
 
 

@@ -10,9 +10,10 @@ import streamlit as st
 
 from engine.base.helpers import default_db, one_line
 from engine.base.names import EMBEDDED_LABEL, ENGINES
-from engine.runtime.models import load_pair, resolve_device
+from engine.runtime.models import resolve_device
 from engine.runtime.prefix_cache import PrefixCache, spilling
 from engine.service import SUFFIX_BUDGET, SuffixHistory
+from engine.service.live_runs import load_for_turns
 
 _KEYS = {"target": "speclab_target", "draft": "speclab_draft", "db": "speclab_db", "engine": "speclab_engine"}
 _ENV = {"target": "SPECLAB_TARGET", "draft": "SPECLAB_DRAFT", "engine": "SPECLAB_ENGINE"}
@@ -95,7 +96,7 @@ def show_error(e: BaseException) -> None:
 
 @st.cache_resource(show_spinner=False, max_entries=2)
 def _pair(target: str | None, draft: str | None, target_tier: str, engine: str = "torch"):
-    pair = load_pair(target, draft, target_tier=target_tier, engine=engine)
+    pair = load_for_turns(target, draft, target_tier, engine)
     freeze_long_lived()
     return pair
 

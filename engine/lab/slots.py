@@ -11,7 +11,16 @@ A decode that streams its steps (a Live run, a comparison's runs) takes the slot
 time (`stepped`) and queues again for the next: decodes pressed together then advance in turns, a
 step each, like a round-robin scheduler, and a session's first token waits for one step of each
 decode ahead of it instead of for their whole runs. Each run's own wall time leaves out the turns
-it waited (engine/lab/generation.py)."""
+it waited (engine/lab/generation.py).
+
+A session's action opens with a turn marked `opening` (a Live run's first, a comparison run's
+first): it queues behind the openings already waiting but ahead of the later turns of decodes
+already running, as a multilevel feedback queue lets a task that just woke run first. With eight
+sessions and a sweep all decoding, a plain round robin makes a newcomer wait one turn of each,
+and a few slow turns (a sweep's trace step while browsers load pages on the same cores) add up
+to several of its own decodes; this way it waits for the turn in progress and the other
+newcomers. Each decode opens once, so the running ones lose at most a turn per newcomer.
+A sweep's turns never open: it is background work."""
 from __future__ import annotations
 
 import contextlib
@@ -21,10 +30,33 @@ from collections import deque
 from collections.abc import Callable, Iterable, Iterator
 from typing import TypeVar
 
+
+class _Ticket:
+    """A place in the queue; `opening`: a session's first turn (decode_slot)."""
+
+    __slots__ = ("opening",)
+
+    def __init__(self, opening: bool) -> None:
+        self.opening = opening
+
+
 _COND = threading.Condition()
-_QUEUE: deque[object] = deque()  # tickets in arrival order; the head's owner holds the slot
+# Tickets, openings first (each kind in arrival order) behind the head, whose owner holds the
+# slot (or is waking up to take it, which is why nothing is ever put ahead of it).
+_QUEUE: deque[_Ticket] = deque()
 _HOLDER: list[str] = [""]  # what holds the slot now, for the "busy" line
 T = TypeVar("T")
+
+
+def _join(ticket: _Ticket) -> None:
+    """Queue `ticket`: at the end, or an opening ahead of the later turns waiting behind the head."""
+    at = len(_QUEUE)
+    if ticket.opening:
+        at = 1
+        while at < len(_QUEUE) and _QUEUE[at].opening:
+            at += 1
+        at = min(at, len(_QUEUE))
+    _QUEUE.insert(at, ticket)
 
 
 def holder() -> str:
@@ -41,14 +73,15 @@ def queued() -> int:
 @contextlib.contextmanager
 def decode_slot(who: str, on_wait: Callable[[str], None] = lambda busy: None,
                 wait_s: float | None = None, poll_s: float = 0.1,
-                on_queued: Callable[[float], None] = lambda at: None) -> Iterator[None]:
-    """Hold the process's decode slot for the block, in arrival order. While another holds it,
-    `on_wait(holder)` is called once and this waits (at most `wait_s`; None waits for good, then
-    TimeoutError, leaving the queue as if it had never come). `on_queued(time.time())` hears when
-    it joined the queue (stamped in the queue's order)."""
-    ticket = object()
+                on_queued: Callable[[float], None] = lambda at: None, opening: bool = False) -> Iterator[None]:
+    """Hold the process's decode slot for the block, in arrival order (an `opening`, a session's
+    first turn, ahead of other decodes' later turns). While another holds it, `on_wait(holder)`
+    is called once and this waits (at most `wait_s`; None waits for good, then TimeoutError,
+    leaving the queue as if it had never come). `on_queued(time.time())` hears when it joined
+    the queue (stamped in the queue's order)."""
+    ticket = _Ticket(opening)
     with _COND:
-        _QUEUE.append(ticket)
+        _join(ticket)
         on_queued(time.time())
         first = _QUEUE[0] is ticket
         busy = holder() or "another decode"
@@ -76,22 +109,25 @@ def decode_slot(who: str, on_wait: Callable[[str], None] = lambda busy: None,
 
 def stepped(steps: Iterable[T], who: str, on_wait: Callable[[str], None] = lambda busy: None,
             waited: Callable[[float], None] = lambda ms: None,
-            on_queued: Callable[[float], None] = lambda at: None) -> Iterator[T]:
+            on_queued: Callable[[float], None] = lambda at: None, opening: bool = False) -> Iterator[T]:
     """`steps` iterated in turns with the other decodes: the slot is taken for each `next()` and
-    given back before the item is handed on. `on_wait(holder)` and `on_queued(at)` as for the
-    first step only (the later turns are short); `waited(ms)` hears how long each turn queued,
-    once it has the slot. Closing this closes `steps` (a Generation stopped early keeps what it
-    ran)."""
+    given back before the item is handed on. `on_wait(holder)`, `on_queued(at)` and `opening`
+    as for the first step only (the later turns are short); `waited(ms)` hears how long each
+    turn queued, once it has the slot. Closing this closes `steps` (a Generation stopped early
+    keeps what it ran)."""
+    from engine.runtime.threads import turn_threads  # torch: imported when a decode first runs
+
     it = iter(steps)
     try:
         first = True
         while True:
             t0 = time.monotonic()
             with decode_slot(who, on_wait if first else lambda busy: None,
-                             on_queued=on_queued if first else lambda at: None):
+                             on_queued=on_queued if first else lambda at: None, opening=opening and first):
                 waited((time.monotonic() - t0) * 1e3)
                 try:
-                    item = next(it)
+                    with turn_threads():  # one thread while the cores are wanted elsewhere
+                        item = next(it)
                 except StopIteration:
                     return
             first = False

@@ -28,6 +28,37 @@ from engine.service.runs import Request, Stored, check, keep, open_generation, s
 LIVE = "a live decode"  # what the decode slot says holds it
 
 
+def load_for_turns(target: str | None, draft: str | None, target_tier: str, engine: str = "torch"):
+    """The workbench's pair: loaded on the process's intra-op thread count, then probed in the
+    background, a hold of the decode slot per step behind the sessions' openings, for whether its
+    decodes come out the same on one thread (engine/lab/thread_probe.py). Decode turns drop to one
+    thread under CPU pressure only once every pair loaded passed (engine/runtime/threads.py)."""
+    import torch
+
+    from engine.runtime import threads
+    from engine.runtime.models import load_pair
+
+    cores = threads.state().cores
+    torch.set_num_threads(cores)  # a page's thread that began during a one-thread turn started on one
+    pair = load_pair(target, draft, target_tier=target_tier, engine=engine)
+    label = f"{pair.target_name} + {pair.draft_name} ({pair.target_tier}, {pair.engine})"
+    threads.note_pair(label, False)  # until the probe says otherwise
+    threading.Thread(target=_probe_threads, args=(pair, label, cores), name=f"thread probe {label}",
+                     daemon=True).start()
+    return pair
+
+
+def _probe_threads(pair, label: str, cores: int) -> None:
+    from engine.lab.thread_probe import thread_invariant
+    from engine.runtime.threads import note_pair
+
+    try:
+        invariant = thread_invariant(pair, cores, lambda: decode_slot(f"checking {label} on one thread"))
+    except Exception:  # noqa: BLE001 - a pair the probe cannot run keeps every core
+        invariant = False
+    note_pair(label, invariant)
+
+
 @dataclass
 class LiveSnapshot:
     """What the page draws: the state (waiting, running, finished, stopped, failed), the steps so
@@ -96,7 +127,7 @@ class LiveRun:
             turns: list[float] = []  # each turn's wait for the model, the first one's first
             if would_probe(self.db, self.pair, self.req.policy, self.req.kv_tier):  # a probe runs the models
                 t0 = time.monotonic()
-                with decode_slot(LIVE, self._waiting, on_queued=stamps.append):
+                with decode_slot(LIVE, self._waiting, on_queued=stamps.append, opening=True):
                     self._turn(turns, (time.monotonic() - t0) * 1e3)
                     gen = self._open()
             else:  # nothing runs the models before the prefill, its first turn
@@ -130,7 +161,7 @@ class LiveRun:
     def _decode(self, gen, turns: list[float], stamps: list[float]) -> None:
         first = not turns  # no turn taken for its opening
         it = stepped(gen, LIVE, self._waiting if first else lambda busy: None, lambda ms: self._turn(turns, ms),
-                     stamps.append if first else lambda at: None)
+                     stamps.append if first else lambda at: None, opening=first)
         for rec in it:
             row = asdict(rec)
             row["why"] = getattr(gen.policy, "why", "") if rec.step else "prefill"

@@ -140,7 +140,7 @@ def run_policies(pair, prompts: Sequence[str], policies: Sequence[str], req: Req
         for spec in specs:
             one = replace(req, prompt=prompt, policy=spec)
             gen = open_generation(pair, one, context=ctx_for(spec), prefix=prefix, history=before)
-            for _ in stepped(gen, f"a comparison ({spec})", on_wait):  # in turns with other sessions' decodes
+            for _ in stepped(gen, f"a comparison ({spec})", on_wait, opening=True):  # in turns with other decodes
                 pass
             outputs.setdefault(prompt_key(gen.prompt_ids), gen.token_ids)
             kept = keep(gen, one)
