@@ -11,8 +11,10 @@ It prints per action the median and p95 latency (a page opened from the sidebar 
 click sent, and from the click reaching the page, past the browser's own backlog), the Live runs'
 wait for their first turn in the decode slot (in seconds and in decodes; whether any run was
 overtaken by one queued after it), every page error, the server's memory after the first pair
-load and after each session count, and checks the database at the end: every run a session saw
-stored is stored once, and the stored live runs are exactly those.
+load and after each session count, how the Profile sweep ended (the Profile page reloaded until
+it says, after the sessions), and checks the database at the end: every run a session saw stored
+is stored once, the stored live runs are exactly those, and each of the sweep's cells is stored
+once.
 
     python -m engine bench load [--sessions 2,4,8] [--rounds 2] [--think 1,4] [--json]
 
@@ -46,6 +48,8 @@ WAIT_POLL_MS = 1000
 # When the page last heard a click (ms since the epoch, as time.time() × 1000: one machine's clock).
 CLICKED = "document.addEventListener('click', () => { window.__clickedAt = Date.now(); }, true);"
 PAGE_SIDE = " (page side)"
+SWEEP_ENDED = re.compile(r"Sweep (\S+)(?::| failed after) (\d+)/(\d+)")
+SWEEP_WAIT_S = 900  # the sweep started in the first round may run past the last session
 COMPARED = """() => [...document.querySelectorAll('[data-testid^="stAlertContent"]')]
     .some(e => e.textContent.includes('identical'))"""
 
@@ -301,6 +305,49 @@ async def _load(url: str, n: int, rounds: int, max_new: int, sweep: bool,
             await browser.close()
 
 
+async def _sweep_end(url: str, wait_s: float = SWEEP_WAIT_S) -> dict:
+    """The Profile page, reloaded every few seconds until the sweep says how it ended: its name,
+    state, items done of total, and the seconds waited after the last session."""
+    from playwright.async_api import async_playwright
+
+    async with async_playwright() as p:
+        browser = await p.chromium.launch(executable_path=B.CHROMIUM, args=B.CHROMIUM_ARGS)
+        try:
+            page = await browser.new_page(viewport={"width": 1400, "height": 900})
+            await page.add_init_script(CLICKED)  # _open reads when the page heard the click
+            t0 = time.monotonic()
+            await page.goto(url)
+            while True:
+                await _go(page, "Profile")
+                for alert in await page.locator('[data-testid^="stAlertContent"]').all():
+                    text = await alert.inner_text()
+                    if m := SWEEP_ENDED.search(text):
+                        state = "failed" if "failed" in text else "stopped" if "stopped" in text else "finished"
+                        return {"name": m[1], "state": state, "done": int(m[2]), "total": int(m[3]),
+                                "waited_s": round(time.monotonic() - t0, 1)}
+                if time.monotonic() - t0 > wait_s:
+                    return {"name": None, "state": f"still running after {wait_s:g} s", "done": 0, "total": 0,
+                            "waited_s": round(time.monotonic() - t0, 1)}
+                await page.wait_for_timeout(3000)
+                await page.reload()
+        finally:
+            await browser.close()
+
+
+def check_sweep(db: Path, name: str | None) -> dict:
+    """The sweep's stored runs: how many, whether each cell is stored once, how many failed."""
+    from engine.service.sweeps import cell_key
+    from store import Store
+
+    if name is None:
+        return {"runs": 0, "cells_once": False, "failed": 0}
+    with Store(db, read_only=True) as st:
+        runs = st.runs(sweep=name)
+    keys = [cell_key(r) for r in runs.to_dict("records")]
+    failed = int(runs["error"].notna().sum()) if "error" in runs else 0
+    return {"runs": len(keys), "cells_once": len(set(keys)) == len(keys), "failed": failed}
+
+
 def measure(counts: list[int], rounds: int, max_new: int, env: dict[str, str], say=lambda m: None,
             warm: bool = True, think_s: tuple[float, float] = THINK_S) -> dict:
     """One server and database for the whole run: a single session first (the pair loads; `warm`
@@ -328,7 +375,10 @@ def measure(counts: list[int], rounds: int, max_new: int, env: dict[str, str], s
                 out["sessions"][str(n)] = {"wall_s": round(time.monotonic() - t0, 1), "actions": summarize(sessions),
                                            "errors": [f"{s.name}: {e}" for s in sessions for e in s.errors]}
                 out["memory_mib"][f"after {n} sessions"] = round(rss_mib(pid), 1)
+            say("the Profile sweep: waiting for it to end")
+            out["sweep"] = asyncio.run(_sweep_end(url))
         out["store"] = check_store(db, seen)  # the server is gone: the file is free to read
+        out["sweep"].update(check_sweep(db, out["sweep"]["name"]))
     mem = out["memory_mib"]
     if warm:  # what the sessions added, against what the first one's load took (imports and the pair)
         pair = mem["after one session"] - mem["server started"]
@@ -349,6 +399,10 @@ def report(r: dict) -> str:
     lines.append(f"decode slot: {q['runs']} live runs, longest wait for a first turn {q['max_wait_s']} s "
                  f"({q['max_wait_decodes']} decodes of a live run's own length), overtaken {q['overtaken']}; "
                  f"a run's later turns waited {q['turns_per_own_wall']}× its own wall time (median)")
+    sw = r["sweep"]
+    lines.append(f"profile sweep {sw['name']}: {sw['state']}, {sw['done']}/{sw['total']} items "
+                 f"({sw['waited_s']} s after the last session); runs stored {sw['runs']}, each cell once "
+                 f"{sw['cells_once']}, failed {sw['failed']}")
     lines.append("memory (MiB): " + ", ".join(f"{k} {v}" for k, v in r["memory_mib"].items())
                  + (f"; growth over the sessions {r['memory_growth_in_pairs']} of the first session's load"
                     if "memory_growth_in_pairs" in r else ""))

@@ -1,7 +1,7 @@
 """The workbench under load in a real browser (bench/load.py): two sessions at once on one server,
 a Profile sweep started beside them, each doing a tuner's actions. Every action completes without a
-page error, every live run a session saw stored is stored once, and no run is overtaken in the
-decode queue. (The pair loading once is `bench load`'s figure: the tiny pair is too small to see.)"""
+page error, every live run a session saw stored is stored once, no run is overtaken in the decode
+queue, and the sweep ends with each of its cells stored once. (The pair loading once is `bench load`'s figure: the tiny pair is too small to see.)"""
 from __future__ import annotations
 
 import pytest
@@ -27,3 +27,6 @@ def test_two_sessions_at_once_lose_nothing_and_wait_their_turn(tiny_dirs):
     assert st["live_seen"] == st["live_stored"] == 2 and st["seen_stored_once"]  # one each
     assert st["compares"] == 2 and st["compare_runs_stored"] == 2 * 3  # the page's three default policies each
     assert st["queue"]["runs"] == 2 and st["queue"]["overtaken"] == 0
+    sw = r["sweep"]  # the sweep a session started ran to its end beside them, each cell stored once
+    assert sw["state"] == "finished" and sw["done"] == sw["total"] > 0, sw
+    assert sw["runs"] > 0 and sw["cells_once"] and sw["failed"] == 0, sw
