@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import random
 import re
@@ -290,48 +291,49 @@ def summarize(sessions: list[Session]) -> dict[str, dict[str, float]]:
             for a, xs in actions.items()}
 
 
-async def _load(url: str, n: int, rounds: int, max_new: int, sweep: bool,
-                think_s: tuple[float, float] = THINK_S) -> list[Session]:
+@contextlib.asynccontextmanager
+async def _chromium():
+    """Debian's Chromium under Playwright, closed whatever happens."""
     from playwright.async_api import async_playwright
 
     async with async_playwright() as p:
         browser = await p.chromium.launch(executable_path=B.CHROMIUM, args=B.CHROMIUM_ARGS)
         try:
-            sessions = [Session(f"session {i}") for i in range(n)]
-            await asyncio.gather(*(session(browser, url, s, i, rounds, max_new, sweep and i == 0, think_s)
-                                   for i, s in enumerate(sessions)))
-            return sessions
+            yield browser
         finally:
             await browser.close()
+
+
+async def _load(url: str, n: int, rounds: int, max_new: int, sweep: bool,
+                think_s: tuple[float, float] = THINK_S) -> list[Session]:
+    async with _chromium() as browser:
+        sessions = [Session(f"session {i}") for i in range(n)]
+        await asyncio.gather(*(session(browser, url, s, i, rounds, max_new, sweep and i == 0, think_s)
+                               for i, s in enumerate(sessions)))
+        return sessions
 
 
 async def _sweep_end(url: str, wait_s: float = SWEEP_WAIT_S) -> dict:
     """The Profile page, reloaded every few seconds until the sweep says how it ended: its name,
     state, items done of total, and the seconds waited after the last session."""
-    from playwright.async_api import async_playwright
-
-    async with async_playwright() as p:
-        browser = await p.chromium.launch(executable_path=B.CHROMIUM, args=B.CHROMIUM_ARGS)
-        try:
-            page = await browser.new_page(viewport={"width": 1400, "height": 900})
-            await page.add_init_script(CLICKED)  # _open reads when the page heard the click
-            t0 = time.monotonic()
-            await page.goto(url)
-            while True:
-                await _go(page, "Profile")
-                for alert in await page.locator('[data-testid^="stAlertContent"]').all():
-                    text = await alert.inner_text()
-                    if m := SWEEP_ENDED.search(text):
-                        state = "failed" if "failed" in text else "stopped" if "stopped" in text else "finished"
-                        return {"name": m[1], "state": state, "done": int(m[2]), "total": int(m[3]),
-                                "waited_s": round(time.monotonic() - t0, 1)}
-                if time.monotonic() - t0 > wait_s:
-                    return {"name": None, "state": f"still running after {wait_s:g} s", "done": 0, "total": 0,
+    async with _chromium() as browser:
+        page = await browser.new_page(viewport={"width": 1400, "height": 900})
+        await page.add_init_script(CLICKED)  # _open reads when the page heard the click
+        t0 = time.monotonic()
+        await page.goto(url)
+        while True:
+            await _go(page, "Profile")
+            for alert in await page.locator('[data-testid^="stAlertContent"]').all():
+                text = await alert.inner_text()
+                if m := SWEEP_ENDED.search(text):
+                    state = "failed" if "failed" in text else "stopped" if "stopped" in text else "finished"
+                    return {"name": m[1], "state": state, "done": int(m[2]), "total": int(m[3]),
                             "waited_s": round(time.monotonic() - t0, 1)}
-                await page.wait_for_timeout(3000)
-                await page.reload()
-        finally:
-            await browser.close()
+            if time.monotonic() - t0 > wait_s:
+                return {"name": None, "state": f"still running after {wait_s:g} s", "done": 0, "total": 0,
+                        "waited_s": round(time.monotonic() - t0, 1)}
+            await page.wait_for_timeout(3000)
+            await page.reload()
 
 
 def check_sweep(db: Path, name: str | None) -> dict:

@@ -51,11 +51,10 @@ T = TypeVar("T")
 def _join(ticket: _Ticket) -> None:
     """Queue `ticket`: at the end, or an opening ahead of the later turns waiting behind the head."""
     at = len(_QUEUE)
-    if ticket.opening:
+    if ticket.opening and _QUEUE:
         at = 1
         while at < len(_QUEUE) and _QUEUE[at].opening:
             at += 1
-        at = min(at, len(_QUEUE))
     _QUEUE.insert(at, ticket)
 
 
