@@ -146,3 +146,32 @@ def test_closing_a_stepped_decode_closes_its_steps():
     assert next(it) == 0 and next(it) == 1
     it.close()
     assert closed == [True] and slots.holder() == "" and slots.queued() == 0
+
+
+def test_a_running_decode_gives_way_between_turns_within_its_credit(monkeypatch):
+    from engine.runtime import threads
+
+    asked: list[float] = []
+
+    def give_way(most_s: float) -> float:  # the CPU oversubscribed throughout: it gives all it may
+        assert slots.holder() == "", "it gives way before it queues: nobody waits on it"
+        asked.append(most_s)
+        return most_s
+
+    monkeypatch.setattr(threads, "give_way", give_way)
+    ran: list[float] = []
+
+    def steps():
+        for i in range(6):
+            t0 = time.monotonic()
+            time.sleep(0.02)
+            ran.append(time.monotonic() - t0)
+            yield i
+
+    assert list(slots.stepped(steps(), "a decode")) == list(range(6))
+    assert len(asked) == 6  # before each turn but the first (the last finds the steps ended)
+    assert asked[:2] == [slots.GIVE_S, slots.GIVE_S]  # a burst: up to GIVE_S a time, on credit
+    assert all(0 <= a <= slots.GIVE_S for a in asked)
+    # In all never more than the credit beyond its own turns: half its speed at worst, however long.
+    assert sum(asked) <= slots.GIVE_CREDIT_S + sum(ran) + 0.05
+    assert sum(asked) >= slots.GIVE_CREDIT_S

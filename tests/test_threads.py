@@ -61,6 +61,34 @@ def test_turns_drop_to_one_thread_under_pressure_and_come_back_after_the_hold():
     assert t.turns == {4: 3, 1: 2}
 
 
+def test_a_running_decode_gives_way_under_extreme_pressure_at_most_its_last_turn():
+    clock, stalls = _Clock(), [0.0]
+    pressure = _pressure(stalls, clock)
+    t = threads.TurnThreads(2, pressure, clock=clock)
+    slept: list[float] = []
+
+    def sleep(s: float) -> None:  # a second of nearly full pressure passes with each pause
+        slept.append(s)
+        clock.now += s
+        stalls[0] += 0.95 * s
+        pressure.sample()
+
+    pressure.sample()
+    assert t.give_way(0.3, sleep=sleep) == 0.0 and not slept  # calm (no stall yet): straight on
+    for _ in range(4):
+        sleep(0.25)
+    slept.clear()
+    assert pressure.share() == pytest.approx(0.95)
+    assert t.give_way(0.35, sleep=sleep) == pytest.approx(0.35)  # oversubscribed: waits as long as it may
+    assert slept == pytest.approx([0.1, 0.1, 0.1, 0.05])  # a pressure sample's period at a time, never past it
+    for _ in range(8):  # half the second stalled: busy, not oversubscribed
+        clock.now += 0.25
+        stalls[0] += 0.125
+        pressure.sample()
+    assert t.give_way(0.35, sleep=sleep) == 0.0
+    assert threads.TurnThreads(1, pressure, clock=clock).give_way(5.0, sleep=sleep) == 0.0  # one core: never
+
+
 def test_without_psi_or_with_one_core_turns_keep_every_core():
     clock = _Clock()
     none = threads.Pressure(read=lambda: None, clock=clock)
@@ -74,13 +102,16 @@ def test_a_turn_drops_only_while_every_pair_noted_is_invariant(monkeypatch):
     cores = torch.get_num_threads()
     always = threads.TurnThreads(cores, threads.Pressure(read=lambda: 0.0))
     always.next = lambda: 1  # under pressure whenever asked
+    always.give_way = lambda turn_s: turn_s  # and oversubscribed
 
     def inside() -> tuple[int, int]:
         with threads.turn_threads(lambda: always) as n:
             return n, torch.get_num_threads()
 
     assert inside() == (cores, cores)  # no pair noted: nothing known to be invariant
+    assert threads.give_way(0.5, lambda: always) == 0.0  # nor is this the workbench (a CLI never waits)
     threads.note_pair("a", True)
+    assert threads.give_way(0.5, lambda: always) == 0.5
     if cores > 1:
         assert inside() == (1, 1) and torch.get_num_threads() == cores  # the count is back after the turn
     threads.note_pair("b", False)

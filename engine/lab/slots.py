@@ -20,7 +20,10 @@ sessions and a sweep all decoding, a plain round robin makes a newcomer wait one
 and a few slow turns (a sweep's trace step while browsers load pages on the same cores) add up
 to several of its own decodes; this way it waits for the turn in progress and the other
 newcomers. Each decode opens once, so the running ones lose at most a turn per newcomer.
-A sweep's turns never open: it is background work."""
+A sweep's turns never open: it is background work.
+
+Between two turns, while the CPU is oversubscribed, a running decode gives way before it queues
+again (engine/runtime/threads.give_way; GIVE_S): pages opened meanwhile are drawn first."""
 from __future__ import annotations
 
 import contextlib
@@ -46,6 +49,12 @@ _COND = threading.Condition()
 _QUEUE: deque[_Ticket] = deque()
 _HOLDER: list[str] = [""]  # what holds the slot now, for the "busy" line
 T = TypeVar("T")
+# How long a running decode gives way between two turns while the CPU is oversubscribed, at most:
+# long enough for the pages opened meanwhile to be drawn (a burst of sessions' pages at once), and
+# in all at most GIVE_CREDIT_S more than its own turns took, so it keeps half its speed however
+# long the pressure lasts.
+GIVE_S = 0.5
+GIVE_CREDIT_S = 1.0
 
 
 def _join(ticket: _Ticket) -> None:
@@ -114,21 +123,25 @@ def stepped(steps: Iterable[T], who: str, on_wait: Callable[[str], None] = lambd
     as for the first step only (the later turns are short); `waited(ms)` hears how long each
     turn queued, once it has the slot. Closing this closes `steps` (a Generation stopped early
     keeps what it ran)."""
-    from engine.runtime.threads import turn_threads  # torch: imported when a decode first runs
+    from engine.runtime.threads import give_way, turn_threads  # torch: imported when a decode first runs
 
     it = iter(steps)
     try:
-        first = True
+        first, ran_s, gave_s = True, 0.0, 0.0
         while True:
             t0 = time.monotonic()
+            if not first:  # not queued yet: nobody waits behind it
+                gave_s += give_way(min(GIVE_S, GIVE_CREDIT_S + ran_s - gave_s))
             with decode_slot(who, on_wait if first else lambda busy: None,
                              on_queued=on_queued if first else lambda at: None, opening=opening and first):
-                waited((time.monotonic() - t0) * 1e3)
+                t1 = time.monotonic()
+                waited((t1 - t0) * 1e3)
                 try:
                     with turn_threads():  # one thread while the cores are wanted elsewhere
                         item = next(it)
                 except StopIteration:
                     return
+                ran_s += time.monotonic() - t1
             first = False
             yield item
     finally:

@@ -12,7 +12,13 @@ the kernel says some task waited for a CPU for at least CONTENDED of the last se
 there HOLD_S after the pressure was last seen. Outputs do not change: turns leave all the cores
 only while every pair the process loaded reads bitwise the same on one thread and on all (the
 workbench probes each pair as it loads it: engine/lab/thread_probe.py). Without PSI, on a GPU, or
-with one core, turns keep every core."""
+with one core, turns keep every core.
+
+Between two turns of a running decode the workbench also gives way (`give_way`): while some task
+waited for a CPU nearly all of the last second (EXTREME), the decode's next turn waits (for how
+long at most, engine/lab/slots.stepped says), so pages that sessions opened (and their browsers,
+where they share the machine) get the cores first. Its first turn never waits, nor does anyone
+queued behind it: the decode waits before it queues."""
 from __future__ import annotations
 
 import contextlib
@@ -26,6 +32,9 @@ import torch
 # Some task waited this share of the last second for a CPU: the cores are oversubscribed most of
 # the time, not only while a page draws (one browser beside a decode stays under it; eight do not).
 CONTENDED = 0.5
+# Some task waited this share of the last second for a CPU: the cores are taken by more than the
+# decode can share them with (a burst of sessions' pages drawn at once; docs/benchmarks.md).
+EXTREME = 0.9
 HOLD_S = 1.0  # once pressure is seen, turns stay on one thread this long (one noisy second is not calm)
 PERIOD_S = 0.1  # how often the pressure is sampled: a turn's decision reads no older than this
 WINDOW_S = 1.0  # the span the share is taken over: long enough for the PSI counter's ticks to mean something
@@ -110,6 +119,19 @@ class TurnThreads:
         self.turns[n] = self.turns.get(n, 0) + 1
         return n
 
+    def give_way(self, most_s: float, sleep: Callable[[float], None] = time.sleep, extreme: float = EXTREME) -> float:
+        """Waits while the CPU's pressure is at least `extreme`, at most `most_s`; returns the
+        seconds waited."""
+        if not self.enabled:
+            return 0.0
+        t0 = self._clock()
+        while self.pressure.share() >= extreme:
+            left = most_s - (self._clock() - t0)
+            if left < 0.01:  # shorter is not worth a wake-up
+                break
+            sleep(min(self.pressure.period_s, left))
+        return self._clock() - t0
+
 
 _LOCK = threading.Lock()
 _STATE: list[TurnThreads | None] = [None]
@@ -134,6 +156,12 @@ def may_drop() -> bool:
     """Whether a turn may run on fewer threads: some pair noted, and every one invariant."""
     with _LOCK:
         return bool(_PAIRS) and all(_PAIRS.values())
+
+
+def give_way(most_s: float, turns: Callable[[], TurnThreads] = state) -> float:
+    """Before a running decode's next turn in the workbench (a pair noted, every one invariant:
+    a CLI's decode never waits): TurnThreads.give_way. Returns the seconds waited."""
+    return turns().give_way(most_s) if may_drop() else 0.0
 
 
 @contextlib.contextmanager
