@@ -1,7 +1,8 @@
 """The workbench under load in a real browser (bench/load.py): two sessions at once on one server,
 a Profile sweep started beside them, each doing a tuner's actions. Every action completes without a
 page error, every live run a session saw stored is stored once, no run is overtaken in the decode
-queue, and the sweep ends with each of its cells stored once. (The pair loading once is `bench load`'s figure: the tiny pair is too small to see.)"""
+queue, and the sweep ends with each of its cells stored once. (The pair loading once is `bench
+load`'s figure: the tiny pair is too small to see.)"""
 from __future__ import annotations
 
 import pytest
