@@ -77,3 +77,49 @@ def test_live_runs_pressed_together_take_turns_and_match_their_solo_runs(tiny_pa
     # Each run's wall time leaves out the turns it waited: the three, summed, fit in the time all
     # three took together (had each counted the others' steps, the sum would be near three times it).
     assert sum(stored["wall_ms"]) <= together_ms, (list(stored["wall_ms"]), together_ms)
+
+
+def test_turns_paused_at_every_layer_for_openings_make_what_they_make_alone(tiny_pair, tmp_path, monkeypatch):
+    """With a slice of nothing, every stepped turn hands the slot over at its forward's next layer
+    whenever an opening waits (engine/runtime/preempt.py): prefills and steps of three runs pressed
+    together interleave layer by layer, on one shared pair, and each still makes exactly what it
+    makes alone; the pauses count as waits, never as a run's own wall time."""
+    from engine.lab import slots
+    from engine.runtime import preempt
+    from engine.runtime.prefix_cache import PrefixCache
+    from engine.service.runs import generate
+
+    reqs = [Request("Write a haiku about the sea.", "fixed:3", max_new_tokens=16, seed=1),
+            Request("List three prime numbers.", "ar", max_new_tokens=16, kv_tier="int8", seed=2),
+            Request("Explain recursion briefly.", "fixed:2", max_new_tokens=16, temperature=0.8, seed=3)]
+    solo = [generate(tiny_pair, r, prefix=PrefixCache())[0].token_ids for r in reqs]
+    paused: list[float] = []
+
+    def counted() -> float:
+        ms = slots._hand_over()
+        if ms:
+            paused.append(ms)
+        return ms
+
+    monkeypatch.setattr(slots, "SLICE_S", 0.0)
+    monkeypatch.setattr(preempt, "_HANDLER", [counted])
+    for model in (tiny_pair.target, tiny_pair.draft):
+        preempt.at_layers(model)
+    try:
+        db = tmp_path / "x.duckdb"
+        t0 = time.monotonic()
+        runs = [start_live(tiny_pair, r, str(db), prefix=PrefixCache()) for r in reqs]
+        snaps = [r.wait(120) for r in runs]
+        together_ms = (time.monotonic() - t0) * 1e3
+    finally:
+        for model in (tiny_pair.target, tiny_pair.draft):
+            for hook in model.__dict__.pop(preempt.HOOKED):
+                hook.remove()
+    assert [s.state for s in snaps] == ["finished"] * 3, [s.error for s in snaps]
+    assert len(paused) >= 3, "hardly a turn was paused at a layer"
+    assert [s.token_ids for s in snaps] == solo
+    with Store(db) as st:
+        stored = st.runs()
+    assert sum(stored["wall_ms"]) <= together_ms, (list(stored["wall_ms"]), together_ms)
+    configs = [json.loads(c) if isinstance(c, str) else c for c in stored["config"]]
+    assert sum(c["turns_ms"] + c["queue_ms"] for c in configs) >= 0.9 * sum(paused)  # the pauses are waits

@@ -175,3 +175,103 @@ def test_a_running_decode_gives_way_between_turns_within_its_credit(monkeypatch)
     # In all never more than the credit beyond its own turns: half its speed at worst, however long.
     assert sum(asked) <= slots.GIVE_CREDIT_S + sum(ran) + 0.05
     assert sum(asked) >= slots.GIVE_CREDIT_S
+
+
+def _layers(name: str, order: list[str], n: int, layer_s: float):
+    """A step whose forward passes a point before each of `n` layers (engine/runtime/preempt.py)."""
+    from engine.runtime import preempt
+
+    for i in range(n):
+        preempt.point()
+        order.append(f"{name}{i}")
+        time.sleep(layer_s)
+
+
+def test_a_long_turn_hands_the_slot_to_an_opening_at_a_layer_and_resumes(monkeypatch):
+    """A stepped turn that has held the slot SLICE_S pauses at its forward's next layer while an
+    opening waits, queued behind the openings and ahead of later turns; it resumes at that layer,
+    and the pause counts as its wait (waited), not as its own time (preempt.away_ms)."""
+    from engine.runtime import preempt
+
+    monkeypatch.setattr(slots, "SLICE_S", 0.05)
+    order: list[str] = []
+    waits: list[float] = []
+    started = threading.Event()
+
+    ready = threading.Event()
+
+    def long_step():
+        started.set()
+        ready.wait(10)  # every other decode queued
+        _layers("long", order, 20, 0.01)  # 0.2 s: it pauses once an opening waits and 0.05 s ran
+        yield "long done"
+
+    long_turn = threading.Thread(target=lambda: list(slots.stepped(long_step(), "a sweep", waited=waits.append)))
+    later_turn = threading.Thread(target=lambda: [order.append("later") for _ in slots.stepped(iter([1]), "later")])
+
+    def opening(name: str):
+        with slots.decode_slot(name, opening=True):
+            order.append(name)
+            time.sleep(0.03)
+
+    long_turn.start()
+    started.wait(10)
+    newcomers = [threading.Thread(target=opening, args=(f"new {i}",)) for i in range(2)]
+    for n, t in enumerate([later_turn, *newcomers], 1):
+        t.start()
+        while slots.queued() < n:
+            time.sleep(0.001)
+    t0 = time.monotonic()
+    ready.set()
+    for t in [long_turn, later_turn, *newcomers]:
+        t.join(10)
+    at = order.index("new 0")
+    assert order[at : at + 2] == ["new 0", "new 1"]  # both openings ran inside the long turn
+    assert order[:at] == [f"long{i}" for i in range(at)] and at < 20  # it paused at a layer
+    assert order[at + 2 : at + 2 + 20 - at] == [f"long{i}" for i in range(at, 20)]  # and went on from there
+    assert order[-1] == "later"  # a later turn never goes ahead of a turn in progress
+    assert len(waits) == 3 and waits[1] >= 50  # its queue wait, its pause (two openings of 30 ms), the end's
+    assert time.monotonic() - t0 >= 0.2 + 0.06  # nothing of the long turn was skipped
+    assert preempt.away_ms() == 0.0  # counted on the paused thread only
+    assert slots.holder() == "" and slots.queued() == 0
+
+
+def test_plain_holds_and_short_turns_are_never_paused(monkeypatch):
+    """A plain hold (a cost table times what it runs) runs its layers through, however long and
+    whoever waits; a stepped turn within its slice too."""
+    order: list[str] = []
+    started = threading.Event()
+
+    def plain():
+        with slots.decode_slot("measuring the cost table"):
+            started.set()
+            _layers("plain", order, 10, 0.01)
+
+    def opening():
+        with slots.decode_slot("a live decode", opening=True):
+            order.append("new")
+
+    monkeypatch.setattr(slots, "SLICE_S", 0.0)
+    holder = threading.Thread(target=plain)
+    holder.start()
+    started.wait(10)
+    newcomer = threading.Thread(target=opening)
+    newcomer.start()
+    for t in (holder, newcomer):
+        t.join(10)
+    assert order == [f"plain{i}" for i in range(10)] + ["new"]
+    monkeypatch.setattr(slots, "SLICE_S", 10.0)
+    order.clear()
+    def turn():
+        _layers("turn", order, 5, 0.01)
+        yield 1
+
+    stepper = threading.Thread(target=lambda: list(slots.stepped(turn(), "a live decode")))
+    stepper.start()
+    newcomer = threading.Thread(target=opening)
+    while not order:
+        time.sleep(0.001)
+    newcomer.start()
+    for t in (stepper, newcomer):
+        t.join(10)
+    assert order == [f"turn{i}" for i in range(5)] + ["new"]

@@ -23,15 +23,26 @@ newcomers. Each decode opens once, so the running ones lose at most a turn per n
 A sweep's turns never open: it is background work.
 
 Between two turns, while the CPU is oversubscribed, a running decode gives way before it queues
-again (engine/runtime/threads.give_way; GIVE_S): pages opened meanwhile are drawn first."""
+again (engine/runtime/threads.give_way; GIVE_S): pages opened meanwhile are drawn first.
+
+A turn can be long (a sweep's prefill of a real prompt, a trace step's drafts, any step while the
+browsers take the cores), and an opening that queues behind it would wait for all of it. So once a
+stepped turn has held the slot SLICE_S, it hands the slot over at the forward's next layer
+(engine/runtime/preempt.py) to the openings waiting, queueing itself behind them and ahead of
+the later turns, and resumes where it stopped: the same operations, the same outputs. A newcomer
+then waits at most a slice of each decode ahead of it. Plain holds (`decode_slot`: cost tables,
+probes) are never paused: they time what they run."""
 from __future__ import annotations
 
 import contextlib
+import itertools
 import threading
 import time
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator
 from typing import TypeVar
+
+from engine.runtime import preempt
 
 
 class _Ticket:
@@ -55,6 +66,11 @@ T = TypeVar("T")
 # long the pressure lasts.
 GIVE_S = 0.5
 GIVE_CREDIT_S = 1.0
+# A stepped turn runs this long before it hands the slot to the openings waiting behind it: a few
+# target layers of a prefill on one busy core, short beside a live run (bench load's decode of a
+# few hundred milliseconds), long beside a hand-over's cost (a wake-up).
+SLICE_S = 0.1
+_HELD = threading.local()  # .ticket, .since: this thread's stepped turn and when its slice began
 
 
 def _join(ticket: _Ticket) -> None:
@@ -81,12 +97,14 @@ def queued() -> int:
 @contextlib.contextmanager
 def decode_slot(who: str, on_wait: Callable[[str], None] = lambda busy: None,
                 wait_s: float | None = None, poll_s: float = 0.1,
-                on_queued: Callable[[float], None] = lambda at: None, opening: bool = False) -> Iterator[None]:
+                on_queued: Callable[[float], None] = lambda at: None, opening: bool = False,
+                sliced: bool = False) -> Iterator[None]:
     """Hold the process's decode slot for the block, in arrival order (an `opening`, a session's
     first turn, ahead of other decodes' later turns). While another holds it, `on_wait(holder)`
     is called once and this waits (at most `wait_s`; None waits for good, then TimeoutError,
     leaving the queue as if it had never come). `on_queued(time.time())` hears when it joined
-    the queue (stamped in the queue's order)."""
+    the queue (stamped in the queue's order). `sliced`: the block may be paused at a forward's
+    layer for the openings waiting, once it has held the slot SLICE_S (`_hand_over`)."""
     ticket = _Ticket(opening)
     with _COND:
         _join(ticket)
@@ -105,14 +123,45 @@ def decode_slot(who: str, on_wait: Callable[[str], None] = lambda busy: None,
                     raise TimeoutError(f"busy: {holder() or 'another decode'} holds the model; try again when it ends")
                 _COND.wait(poll_s if left is None else min(poll_s, left))
     _HOLDER[0] = who
+    if sliced:
+        _HELD.ticket, _HELD.since = ticket, time.monotonic()
     try:
         yield
     finally:
         with _COND:
+            if sliced:  # a hand-over gave it a new ticket
+                ticket, _HELD.ticket = _HELD.ticket, None
             _HOLDER[0] = ""
             assert _QUEUE[0] is ticket, "the slot's holder is the queue's head"
             _QUEUE.popleft()
             _COND.notify_all()
+
+
+def _hand_over(poll_s: float = 0.1) -> float:
+    """preempt's handler, at a layer of a forward: a sliced turn that has held the slot SLICE_S
+    while an opening waits gives the slot to the queue, queued itself behind the openings (ahead of
+    the later turns: it is in the middle of one), and waits for it back. Returns the ms it waited."""
+    ticket = getattr(_HELD, "ticket", None)
+    if ticket is None or len(_QUEUE) < 2 or time.monotonic() - _HELD.since < SLICE_S:
+        return 0.0
+    with _COND:
+        if not any(t.opening for t in itertools.islice(_QUEUE, 1, None)):
+            return 0.0
+        assert _QUEUE[0] is ticket, "the slot's holder is the queue's head"
+        t0, who = time.monotonic(), _HOLDER[0]
+        _QUEUE.popleft()
+        again = _Ticket(opening=True)
+        _join(again)
+        _HOLDER[0] = ""
+        _COND.notify_all()
+        while _QUEUE[0] is not again:
+            _COND.wait(poll_s)
+        _HOLDER[0] = who
+        _HELD.ticket, _HELD.since = again, time.monotonic()
+    return (_HELD.since - t0) * 1e3
+
+
+preempt.install(_hand_over)
 
 
 def stepped(steps: Iterable[T], who: str, on_wait: Callable[[str], None] = lambda busy: None,
@@ -120,9 +169,9 @@ def stepped(steps: Iterable[T], who: str, on_wait: Callable[[str], None] = lambd
             on_queued: Callable[[float], None] = lambda at: None, opening: bool = False) -> Iterator[T]:
     """`steps` iterated in turns with the other decodes: the slot is taken for each `next()` and
     given back before the item is handed on. `on_wait(holder)`, `on_queued(at)` and `opening`
-    as for the first step only (the later turns are short); `waited(ms)` hears how long each
-    turn queued, once it has the slot. Closing this closes `steps` (a Generation stopped early
-    keeps what it ran)."""
+    as for the first step only; `waited(ms)` hears how long each turn queued, once it has the
+    slot, and how long it was paused within the turn for others' openings, if it was. Closing this
+    closes `steps` (a Generation stopped early keeps what it ran)."""
     from engine.runtime.threads import give_way, turn_threads  # torch: imported when a decode first runs
 
     it = iter(steps)
@@ -132,16 +181,19 @@ def stepped(steps: Iterable[T], who: str, on_wait: Callable[[str], None] = lambd
             t0 = time.monotonic()
             if not first:  # not queued yet: nobody waits behind it
                 gave_s += give_way(min(GIVE_S, GIVE_CREDIT_S + ran_s - gave_s))
-            with decode_slot(who, on_wait if first else lambda busy: None,
+            with decode_slot(who, on_wait if first else lambda busy: None, sliced=True,
                              on_queued=on_queued if first else lambda at: None, opening=opening and first):
-                t1 = time.monotonic()
+                t1, away = time.monotonic(), preempt.away_ms()
                 waited((t1 - t0) * 1e3)
                 try:
                     with turn_threads():  # one thread while the cores are wanted elsewhere
                         item = next(it)
                 except StopIteration:
                     return
-                ran_s += time.monotonic() - t1
+                away = preempt.away_ms() - away  # paused at a layer for others' openings
+                ran_s += time.monotonic() - t1 - away / 1e3
+            if away:
+                waited(away)
             first = False
             yield item
     finally:

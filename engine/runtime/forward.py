@@ -6,6 +6,7 @@ import time
 
 import torch
 
+from engine.runtime import preempt
 from engine.runtime.kv.cache import new_cache
 from engine.runtime.verify_kernels import stock
 
@@ -64,11 +65,12 @@ def sync_device(device: torch.device) -> None:
 
 
 class WallClock:
-    """Milliseconds on the wall, read after the device has finished its queued work."""
+    """Milliseconds on the wall, read after the device has finished its queued work, less the time
+    this thread was paused mid-forward while another decode ran (preempt.py): a run's own time."""
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
 
     def __call__(self) -> float:
         sync_device(self.device)
-        return time.perf_counter() * 1e3
+        return time.perf_counter() * 1e3 - preempt.away_ms()

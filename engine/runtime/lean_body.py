@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from engine.runtime import int8_kernel
+from engine.runtime import int8_kernel, preempt
 from engine.runtime.forward import BODY
 
 
@@ -74,6 +74,7 @@ class LeanBody:
         half = cos.shape[-1] // 2
         rotation = (cos[0, :, None], torch.cat([-sin[..., :half], sin[..., half:]], -1)[0, :, None])  # [S, 1, D]
         for i, layer in enumerate(body.layers):
+            preempt.point()  # a long turn may wait here for a session's first (preempt.py)
             a, mlp = layer.self_attn, layer.mlp
             h = layer.input_layernorm.forward(x)
             q, k, v = self._rotated_qkv(h, i, a, rotation)  # [1, heads, S, D] each

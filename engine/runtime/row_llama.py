@@ -19,6 +19,7 @@ from functools import lru_cache
 
 import torch
 
+from engine.runtime import preempt
 from engine.runtime.forward import BODY, TARGET_BODY
 from engine.runtime.verify_kernels import stock
 
@@ -130,6 +131,7 @@ def _read_layers(body: torch.nn.Module, ids: list[int], cache) -> torch.Tensor:
     positions = torch.arange(past, past + s, device=x.device)[None]  # [1, S]
     cos, sin = (t[0] for t in body.rotary_emb.forward(x[None], positions))  # [S, D] each
     for layer in body.layers:
+        preempt.point()  # a long turn may wait here for a session's first (preempt.py)
         a, mlp, n1, n2 = layer.self_attn, layer.mlp, layer.input_layernorm, layer.post_attention_layernorm
         q, k, v = ops.layer_pre(x, n1.weight, n1.variance_epsilon, a.q_proj.tensors, a.k_proj.tensors,
                                 a.v_proj.tensors, cos, sin)  # q [heads, S, D]; k, v [kv heads, S, D]

@@ -29,18 +29,22 @@ LIVE = "a live decode"  # what the decode slot says holds it
 
 
 def load_for_turns(target: str | None, draft: str | None, target_tier: str, engine: str = "torch"):
-    """The workbench's pair: loaded on the process's intra-op thread count, then probed in the
+    """The workbench's pair: loaded on the process's intra-op thread count, its layers passing a
+    point where a long decode turn may pause (engine/runtime/preempt.py), then probed in the
     background, a hold of the decode slot per step behind the sessions' openings, for whether its
     decodes come out the same on one thread (engine/lab/thread_probe.py). Decode turns drop to one
     thread under CPU pressure only once every pair loaded passed (engine/runtime/threads.py)."""
     import torch
 
-    from engine.runtime import threads
+    from engine.runtime import preempt, threads
     from engine.runtime.models import load_pair
 
     cores = threads.state().cores
     torch.set_num_threads(cores)  # a page's thread that began during a one-thread turn started on one
     pair = load_pair(target, draft, target_tier=target_tier, engine=engine)
+    for model in (pair.target, pair.draft):  # a long turn may pause at a layer for a session's opening
+        if model is not None:
+            preempt.at_layers(model)
     label = f"{pair.target_name} + {pair.draft_name} ({pair.target_tier}, {pair.engine})"
     threads.note_pair(label, False)  # until the probe says otherwise
     threading.Thread(target=_probe_threads, args=(pair, label, cores), name=f"thread probe {label}",
