@@ -22,7 +22,7 @@ import torch
 from engine.base.helpers import median_ms
 from engine.datasets.prompts import heldout
 from engine.lab.generation import encode_prompt
-from engine.oracles.model import draft_read
+from engine.oracles.draft import draft_read
 from engine.runtime import invariance, rowdot
 from engine.runtime.forward import crop_to, forward_logits, sync_device
 from engine.runtime.models import ModelPair, load_pair

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-from bench.draft import per_token_ms
+from bench.draft_runners import per_token_ms
 from engine.runtime.draft_model import build_draft
 from engine.runtime.models import load_model
 from engine.training import distill

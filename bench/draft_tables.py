@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import statistics
 
+from engine.base.helpers import first_difference
 from engine.base.stats import geomean, prompts_for, ratio_ci95
-from engine.lab.divergence import first_difference
 from engine.runtime.models import EXACT_VERIFY_TIERS, ModelPair
 
 GAMMA = 4  # τ is reported at this γ: fixed:4@<proposer> always runs
@@ -308,3 +308,11 @@ def format_report(res: dict) -> str:
     return "\n".join(lines)
 
 
+def warm_stats(cold: dict, runs: list[dict], tasks: list[str]) -> dict:
+    """The τ-table row of `fixed:4@suffix` reading the warm history: its own steps' figures, the
+    cold row's costs (the same proposer, drafting as cheaply)."""
+    every = list(range(len(tasks)))
+    steps = [r["steps"] for r in runs]
+    st = dict(cold, **proposer_stats(steps, every))
+    st["by_task"] = {t: proposer_stats(steps, [i for i in every if tasks[i] == t]) for t in dict.fromkeys(tasks)}
+    return st

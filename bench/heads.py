@@ -24,7 +24,7 @@ import torch
 from engine.base.helpers import medians_ms
 from engine.datasets.prompts import heldout
 from engine.lab.generation import encode_prompt
-from engine.oracles.model import draft_read
+from engine.oracles.draft import draft_read
 from engine.oracles.sampling import Sampler, draft_signals
 from engine.runtime import vocab_head
 from engine.runtime.forward import crop_to, forward_last_state, forward_logits, sync_device

@@ -247,7 +247,7 @@ def config_of(run: dict) -> dict:
 def queue_fairness(live_runs: list[dict]) -> dict:
     """From the stored live runs' queue stamps: the longest wait for a run's first turn in the
     decode slot, in seconds and in decodes (against the median run's own wall time, which leaves
-    out its turns: engine/lab/slots.stepped), how many runs were overtaken (their first turn came
+    out its turns: engine/lab/decode_lock.stepped), how many runs were overtaken (their first turn came
     after that of a run queued behind them), and the median run's total wait in its later turns
     against its own wall time (the price of taking turns)."""
     configs = [config_of(r) for r in live_runs]

@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from bench.exports import VLLM_VENV, _timed, prompt_ids, vllm_mode, vllm_python
+from engine.base.helpers import first_difference
 from engine.base.names import GGUF_FORMATS
 
 DRAFT_GAMMAS = (1, 2, 3, 4)
@@ -54,14 +55,6 @@ def llama_method(llm, max_new: int, eog: frozenset[int]) -> Callable[[list[int]]
                 break
         return out
     return run
-
-
-def first_difference(a: list[int], b: list[int]) -> int | None:
-    """The first position where two outputs differ (None: the same)."""
-    for i, (x, y) in enumerate(zip(a, b)):
-        if x != y:
-            return i
-    return None if len(a) == len(b) else min(len(a), len(b))
 
 
 def divergence(outputs: dict[str, list[list[int]]], reference: str) -> dict[str, dict[str, Any]]:
@@ -100,11 +93,10 @@ def profile(pair, db: str, a: argparse.Namespace, timed: list[list[int]], say) -
     to that sweep's live steps (`costs --calibrate`). rakv then reads the calibrated table and its
     per-proposer acceptance priors from them, as after any profiling. Returns the priors and the
     calibration's per-k factors (live ÷ measured)."""
-    from engine.lab.profiling import sweep_jobs
     from engine.oracles import available
     from engine.service.cost_tables import acceptance_priors, calibrate_costs, cost_key, cost_table, reach
     from engine.service.sweeps import profile as sweep
-    from engine.service.sweeps import trace_prompts
+    from engine.service.sweeps import sweep_jobs, trace_prompts
     from store import Store
 
     prompts, max_new = profiling_prompts(a.per_task, a.profile), a.max_new_tokens

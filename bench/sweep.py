@@ -21,11 +21,11 @@ import time
 from pathlib import Path
 
 from engine.base.helpers import csv_list
-from engine.lab.profiling import sweep_jobs
 from engine.service import profile, prompt_set
 from engine.service.cluster import ClusterSpec, PairSpec, differences, records
 from engine.service.cluster_sweep import profile_on_ray
 from engine.service.options import add_model_args, exact_verify
+from engine.service.sweeps import sweep_jobs
 from store import Store
 
 

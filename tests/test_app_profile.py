@@ -6,7 +6,7 @@ import pytest
 from streamlit.testing.v1 import AppTest
 
 from apptest import APP, _errors  # noqa: F401 - the fixture app_env comes from conftest
-from engine.lab.slots import decode_slot
+from engine.lab.decode_lock import decode_slot
 from engine.service.jobs import RUNNER
 from store import Store
 

@@ -11,8 +11,9 @@ import pytest
 import ray
 import torch
 
-from engine.lab.profiling import measure_costs, sweep_jobs
+from engine.lab.profiling import measure_costs
 from engine.service import cluster, cluster_sweep, profile, sweep_table
+from engine.service.sweeps import sweep_jobs
 from store import Store
 
 PROMPTS = [("chat", "Hi there"), ("code", "def f(x):"), ("math", "2+2=")]

@@ -131,7 +131,7 @@ def test_greedy_policies_emit_the_same_tokens(tiny_pair):
 
 def test_runs_wait_for_the_decode_slot(tiny_pair):
     """Another decode holds the slot: run_policies says who (on_wait) and waits for it."""
-    from engine.lab.slots import decode_slot
+    from engine.lab.decode_lock import decode_slot
 
     held, release, waits = threading.Event(), threading.Event(), []
 

@@ -10,7 +10,7 @@ from engine.decode.policies import make_policy
 from engine.lab.generation import GenConfig, Generation, encode_prompt
 from engine.runtime.draft_model import MARKER, WEIGHTS
 from engine.runtime.models import load_pair
-from engine.training import distill
+from engine.training import distill, distill_data
 
 
 class Bar:
@@ -168,7 +168,7 @@ def test_answers_kept_as_ids_rebuild_the_data_without_generating(tiny_dirs, tmp_
     def no_generation(*a, **k):
         raise AssertionError("answers kept in the ids file were generated again")
 
-    monkeypatch.setattr(distill, "respond", no_generation)
+    monkeypatch.setattr(distill_data, "respond", no_generation)  # where the data stage calls it
     again = _cfg(tiny_dirs, tmp_path, work=str(tmp_path / "b"), stage="data", teacher_tier="fp32", ids=str(ids),
                  sharegpt_prompts=5)
     data_b = distill.run(again, progress=Bar, say=lambda m: None)

@@ -7,8 +7,8 @@ import torch
 from engine.decode.policies import make_policy
 from engine.lab.generation import GenConfig, Generation, encode_prompt
 from engine.oracles.eagle import EagleProposer
-from engine.oracles.model import TargetVerifier
 from engine.oracles.sampling import Sampler
+from engine.oracles.target import TargetVerifier
 from engine.runtime import eagle_head as eaglelib
 from engine.runtime.models import load_pair
 from engine.runtime.prefix_cache import PrefixCache

@@ -3,7 +3,7 @@ bit, attention still computes attention, and a model the probe rejects is left a
 import pytest
 import torch
 
-from engine.oracles.model import draft_read
+from engine.oracles.draft import draft_read
 from engine.runtime import invariance
 from engine.runtime.forward import BODY, crop_to, forward_last_state, forward_logits
 from engine.runtime.kv.cache import new_cache

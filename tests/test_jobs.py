@@ -8,9 +8,9 @@ import time
 
 import pytest
 
-from engine.lab.profiling import sweep_jobs
-from engine.lab.slots import decode_slot
+from engine.lab.decode_lock import decode_slot
 from engine.service import jobs
+from engine.service.sweeps import sweep_jobs
 from store import Store
 
 PROMPTS = [("chat", "Hi there"), ("code", "def f(x):")]
@@ -126,24 +126,24 @@ def test_a_failing_cell_is_stored_as_failed_and_the_serial_sweep_goes_on(tiny_pa
 def test_a_sweep_takes_turns_with_a_live_decode_a_step_each(trace, tiny_pair, tmp_path, monkeypatch):
     """A Generate pressed while a sweep's run (or trace) decodes waits for one of its steps, not for
     the whole run (or trace)."""
-    from engine.lab import slots
+    from engine.lab import decode_lock
 
     holds: list[str] = []
     live: list[threading.Thread] = []
-    real = slots.decode_slot
+    real = decode_lock.decode_slot
 
     @contextlib.contextmanager
     def logged(who, *args, **kw):
         with real(who, *args, **kw):
             holds.append(who)
             if who.startswith("profile sweep") and holds.count(who) == 3 and not live:  # mid-run: Generate
-                live.append(threading.Thread(target=lambda: list(slots.stepped(iter(range(3)), "live"))))
+                live.append(threading.Thread(target=lambda: list(decode_lock.stepped(iter(range(3)), "live"))))
                 live[0].start()
-                while slots.queued() < 1:  # it waits behind this step
+                while decode_lock.queued() < 1:  # it waits behind this step
                     time.sleep(0.001)
             yield
 
-    monkeypatch.setattr(slots, "decode_slot", logged)
+    monkeypatch.setattr(decode_lock, "decode_slot", logged)
     monkeypatch.setattr(jobs, "decode_slot", logged)
     runner = jobs.SweepRunner()
     runner.start(_spec(trace=trace), str(tmp_path / "turns.duckdb"), lambda tier: tiny_pair)

@@ -609,7 +609,7 @@ def test_traces_at_two_kv_tiers_differ_and_group_apart(traced, traced_fp8):
 
 
 def test_sweep_jobs_and_their_resume_key_carry_the_kv_tier():
-    from engine.lab.profiling import Job, pending, sweep_jobs
+    from engine.service.sweeps import Job, pending, sweep_jobs
 
     jobs = sweep_jobs([("chat", "a"), ("code", "b")], ["fp32", "bf16"], ["ar", "fixed:2"], ["native", "fp8"])
     assert len(jobs) == 16 and jobs[0] == Job("fp32", "chat", "a", "ar", "native")

@@ -1,8 +1,9 @@
 """The layering of docs/architecture.md, checked on the source of the whole tree (engine/, store/,
 views/, bench/, app.py): every module imports; data flows down the folders' order (LAYERS), with no
 import cycle (counting imports inside functions); nothing imports by name at run time
-(`import_module`, `__import__`) except the CLI's dispatch to bench/; engine/ never imports
-streamlit, store/ never torch; only engine/__main__.py imports the CLI; no `pages/` folder.
+(`import_module`, `__import__`) except the CLI's dispatch to bench/; views/ and app.py reach the
+engine through engine.service only (and engine.base); engine/ never imports streamlit, store/
+never torch; only engine/__main__.py imports the CLI; no `pages/` folder.
 
 The checks are functions of a source tree, so the tests below also plant each kind of breach in a
 copy and see it refused."""
@@ -119,6 +120,17 @@ def upward(g: dict[str, set[str]]) -> list[str]:
     return bad
 
 
+# What the front ends of the workbench (views/, app.py) may import of ours: the service layer is
+# their one door to the engine; engine.base holds the names every layer shares.
+FRONT_DOORS = ("engine.service", "engine.base", "store", "views")
+
+
+def past_the_door(g: dict[str, set[str]]) -> list[str]:
+    """Imports by views/ or app.py of a module below engine.service (other than engine.base)."""
+    return [f"{m} → {t}" for m, deps in sorted(g.items()) if m == "app" or m.startswith("views")
+            for t in sorted(deps) if not any(t == d or t.startswith(d + ".") for d in FRONT_DOORS)]
+
+
 def dynamic_imports(root: Path) -> list[str]:
     """Calls of importlib.import_module or __import__, outside the allowed dispatch."""
     bad = []
@@ -159,6 +171,10 @@ def test_no_import_cycle():
 
 def test_every_module_is_in_a_layer_and_imports_only_downward():
     assert upward(GRAPH) == []
+
+
+def test_the_pages_reach_the_engine_through_the_service_only():
+    assert past_the_door(GRAPH) == []
 
 
 def test_no_import_by_name_outside_the_cli_dispatch():
@@ -233,6 +249,16 @@ def test_a_planted_upward_import_is_found(tree):
     assert "engine.runtime.forward → engine.lab.generation" in found and all(b.startswith("engine.runtime.forward") for b in found)
     _append(tree / "bench" / "decode.py", "from views import common  # noqa")
     assert "bench.decode → views.common" in upward(graph(tree))
+
+
+def test_a_page_reaching_past_the_service_is_found(tree):
+    _append(tree / "views" / "live.py", "def _planted():\n    from engine.runtime import forward  # noqa")
+    _append(tree / "app.py", "from engine.lab import decode_lock  # noqa")
+    _append(tree / "views" / "kv.py", "from engine.base import names  # noqa")  # allowed: the shared names
+    _append(tree / "views" / "kv.py", "from engine.service import kv_actions  # noqa")  # and the door
+    found = past_the_door(graph(tree))
+    assert {"app → engine.lab.decode_lock", "views.live → engine.runtime.forward"} <= set(found)
+    assert all(b.startswith(("app → engine.lab", "views.live → engine.runtime")) for b in found), found
 
 
 def test_a_planted_import_module_of_bench_is_found(tree):

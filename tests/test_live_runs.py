@@ -52,7 +52,7 @@ def test_a_failing_run_is_one_line_and_stores_nothing(tiny_pair, tmp_path):
 
 
 def test_live_runs_pressed_together_take_turns_and_match_their_solo_runs(tiny_pair, tmp_path):
-    """Three sessions' decodes at once advance a step each in turn (engine/lab/slots.stepped):
+    """Three sessions' decodes at once advance a step each in turn (engine/lab/decode_lock.stepped):
     each makes exactly what it makes alone, greedy and sampled, at any KV tier; each is stored
     once with its waits; and its wall time is its own (the turns it waited are not in it)."""
     from engine.runtime.prefix_cache import PrefixCache
@@ -84,7 +84,7 @@ def test_turns_paused_at_every_layer_for_openings_make_what_they_make_alone(tiny
     whenever an opening waits (engine/runtime/preempt.py): prefills and steps of three runs pressed
     together interleave layer by layer, on one shared pair, and each still makes exactly what it
     makes alone; the pauses count as waits, never as a run's own wall time."""
-    from engine.lab import slots
+    from engine.lab import decode_lock
     from engine.runtime import preempt
     from engine.runtime.prefix_cache import PrefixCache
     from engine.service.runs import generate
@@ -96,19 +96,22 @@ def test_turns_paused_at_every_layer_for_openings_make_what_they_make_alone(tiny
     paused: list[float] = []
 
     def counted() -> float:
-        ms = slots._hand_over()
+        ms = decode_lock._hand_over()
         if ms:
             paused.append(ms)
         return ms
 
-    monkeypatch.setattr(slots, "SLICE_S", 0.0)
+    monkeypatch.setattr(decode_lock, "SLICE_S", 0.0)
     monkeypatch.setattr(preempt, "_HANDLER", [counted])
     for model in (tiny_pair.target, tiny_pair.draft):
         preempt.at_layers(model)
     try:
         db = tmp_path / "x.duckdb"
         t0 = time.monotonic()
-        runs = [start_live(tiny_pair, r, str(db), prefix=PrefixCache()) for r in reqs]
+        with decode_lock.decode_slot("a test"):  # all three openings queue before any runs
+            runs = [start_live(tiny_pair, r, str(db), prefix=PrefixCache()) for r in reqs]
+            while decode_lock.queued() < len(runs):
+                time.sleep(0.001)
         snaps = [r.wait(120) for r in runs]
         together_ms = (time.monotonic() - t0) * 1e3
     finally:

@@ -101,7 +101,7 @@ def test_a_sampling_run_reproduces_from_its_seed(pair):
 
 
 def test_runs_in_turns_make_what_each_makes_alone(pair):
-    """Sessions' decodes advance a step each in turn (engine/lab/slots.stepped): each verifier
+    """Sessions' decodes advance a step each in turn (engine/lab/decode_lock.stepped): each verifier
     leases a llama.cpp context of its own, so two runs interleaved step by step make exactly
     what each makes alone."""
     specs = [(PROMPTS[0], "fixed:3@draft", {}), (PROMPTS[1], "fixed:3@suffix", {"temperature": 0.8, "seed": 5})]

@@ -10,9 +10,9 @@ from test_speculative import PROMPTS, _chi2_pvalue
 from engine.decode.policies import make_policy
 from engine.decode.step import ModelledClock, Setting, decode
 from engine.lab.generation import GenConfig, Generation, encode_prompt
-from engine.oracles.model import TargetVerifier
 from engine.oracles.ngram import NGRAM_MAX, UNBOUNDED, NgramProposer
 from engine.oracles.sampling import Sampler, rejection_sample, warp
+from engine.oracles.target import TargetVerifier
 
 GREEDY = Sampler(0.0, 1.0, None, torch.device("cpu"))
 V = 64  # vocabulary of the synthetic contexts

@@ -14,8 +14,8 @@ from engine.lab.generation import GenConfig, Generation, encode_prompt
 from engine.lab.profiling import measure_costs, trace
 from engine.lab.whatif import proposals, replay
 from engine.oracles import available, build
-from engine.oracles.model import TargetVerifier
 from engine.oracles.sampling import Sampler
+from engine.oracles.target import TargetVerifier
 
 # Prompts that repeat themselves, so that the n-gram proposer finds matches.
 PROMPTS = [("code", "def add(a, b): return a + b\ndef sub(a, b): return a - b\ndef mul(a, b):"),

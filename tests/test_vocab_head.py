@@ -10,8 +10,9 @@ from test_speculative import PROMPTS, _chi2_pvalue, _gen, _hf_greedy
 
 from engine.decode.policies import parse_proposers
 from engine.lab.generation import encode_prompt
-from engine.oracles.model import DraftModelProposer, TargetVerifier, draft_read
+from engine.oracles.draft import DraftModelProposer, draft_read
 from engine.oracles.sampling import Sampler, rejection_sample, warp
+from engine.oracles.target import TargetVerifier
 from engine.runtime import vocab_head
 from engine.runtime.forward import forward_logits
 from tiny import CHARS
@@ -171,8 +172,8 @@ def test_cost_tables_price_the_draft_through_the_head_its_runs_read(tiny_pair, m
     at bf16 here: 6.0 ms a token in the table against 3.2 ms live), in its drafted token and both
     catch-up reads alike."""
     from engine.lab import profiling
+    from engine.oracles import draft as oracle_draft
     from engine.oracles import draft_head
-    from engine.oracles import model as oracle_model
 
     pair = dataclasses.replace(tiny_pair, draft_vocab=tiny_pair.vocab_size // 2)
     head = draft_head(pair)
@@ -184,7 +185,7 @@ def test_cost_tables_price_the_draft_through_the_head_its_runs_read(tiny_pair, m
         return draft_read(p, ids, cache, h)
 
     monkeypatch.setattr(profiling, "draft_read", spy)  # the catch-up reads
-    monkeypatch.setattr(oracle_model, "draft_read", spy)  # the proposer's own reads
+    monkeypatch.setattr(oracle_draft, "draft_read", spy)  # the proposer's own reads
     costs = profiling.measure_costs(pair, buckets=(8,), reps=1, proposers=("draft",))
     assert heads and all(h is head for h in heads), {type(h).__name__ for h in heads}
     assert costs.drafting("draft").ms[0] > 0

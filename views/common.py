@@ -10,10 +10,8 @@ import streamlit as st
 
 from engine.base.helpers import default_db, one_line
 from engine.base.names import EMBEDDED_LABEL, ENGINES
-from engine.runtime.models import resolve_device
-from engine.runtime.prefix_cache import PrefixCache, spilling
 from engine.service import SUFFIX_BUDGET, SuffixHistory
-from engine.service.live_runs import load_for_turns
+from engine.service.live_runs import device_label, load_for_turns, shared_prefix_cache
 
 _KEYS = {"target": "speclab_target", "draft": "speclab_draft", "db": "speclab_db", "engine": "speclab_engine"}
 _ENV = {"target": "SPECLAB_TARGET", "draft": "SPECLAB_DRAFT", "engine": "SPECLAB_ENGINE"}
@@ -73,7 +71,7 @@ def sidebar() -> None:
             help="DuckDB file that keeps every run (env SPECLAB_DB).",
         )
         try:
-            st.caption(f"Device: {resolve_device(None)}")
+            st.caption(f"Device: {device_label()}")
         except Exception as e:  # noqa: BLE001 - the sidebar must never break the page
             show_error(e)
 
@@ -112,11 +110,11 @@ def freeze_long_lived() -> None:
 
 
 @st.cache_resource(show_spinner=False, max_entries=4)
-def _prefix_cache(target: str | None, draft: str | None, target_tier: str, budget_mib: int) -> PrefixCache:
-    return spilling(budget_mib * 2**20)  # evicted entries spill to a temporary folder, 4× the budget
+def _prefix_cache(target: str | None, draft: str | None, target_tier: str, budget_mib: int):
+    return shared_prefix_cache(budget_mib * 2**20)
 
 
-def get_prefix_cache(s: Settings, target_tier: str, budget_mib: int) -> PrefixCache:
+def get_prefix_cache(s: Settings, target_tier: str, budget_mib: int):
     """The cross-request prefix cache of a loaded pair, shared by every session of the process
     (one per budget: changing the budget starts an empty cache)."""
     return _prefix_cache(s.target, s.draft, target_tier, budget_mib)

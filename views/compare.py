@@ -11,12 +11,15 @@ import pandas as pd
 import streamlit as st
 
 from engine.base.names import tiers_of
-from engine.datasets.prompts import WORKBENCH_PROMPT
-from engine.decode.policies import DEFAULT_POLICY, NEEDS_CONTEXT, POLICY_EXAMPLES, parse_policy
-from engine.lab import side_by_side as C
-from engine.lab.generation import encode_prompt
-from engine.lab.slots import decode_slot
-from engine.service import context_for, measure_in_turns, reach, replay_rows
+from engine.service import (
+    DEFAULT_POLICY,
+    POLICY_EXAMPLES,
+    WORKBENCH_PROMPT,
+    comparison_contexts,
+    parse_policy,
+    replay_rows,
+)
+from engine.service import side_by_side as C
 from engine.service.cost_tables import MODEL_TOLERANCE, model_checks
 from engine.service.runs import Request, check, run_policies, store_outcome
 from store import Store
@@ -90,14 +93,8 @@ def run_compare(inp: dict) -> dict | None:
         check(req, s.engine)  # a bad value fails before any model loads
         pair = get_pair(s, inp["tier"])
         st.session_state[PROPOSERS_KEY] = C.proposers_of(pair)
-        longest = max(len(encode_prompt(pair.tokenizer, p, inp["chat"])) for p in prompts)
-        upto = reach(longest, inp["max_new_tokens"])
         with st.spinner("Reading cost tables and controllers (measured once when missing)…"):
-            if any(parse_policy(spec)[0] in NEEDS_CONTEXT for spec in specs):  # a bucket per hold of the slot
-                measure_in_turns(s.db, pair, inp["kv_tier"], upto,
-                                 lambda: decode_slot("a comparison (cost tables)", on_wait))
-            with decode_slot("a comparison (cost tables)", on_wait):
-                ctxs = {spec: context_for(s.db, pair, spec, kv_tier=inp["kv_tier"], context=upto) for spec in specs}
+            ctxs = comparison_contexts(s.db, pair, specs, prompts, req, on_wait)
         total = len(specs) * len(prompts)
 
         def on_run(res: C.Result) -> None:

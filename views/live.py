@@ -9,9 +9,7 @@ import pandas as pd
 import streamlit as st
 
 from engine.base.names import tiers_of
-from engine.datasets.prompts import WORKBENCH_PROMPT
-from engine.decode.policies import DEFAULT_POLICY, POLICY_EXAMPLES
-from engine.lab.side_by_side import policy_options, proposers_of
+from engine.service import DEFAULT_POLICY, POLICY_EXAMPLES, WORKBENCH_PROMPT, side_by_side
 from engine.service.cost_jobs import MEASURER
 from engine.service.live_runs import LiveRun, LiveSnapshot, start_live
 from engine.service.runs import Request, check
@@ -43,7 +41,7 @@ TABLE_COLUMNS = [
 def _policies() -> list[str]:
     """The policy examples and their `@proposer` forms for the proposers of the last pair
     loaded in this session (an EAGLE head shows up once a pair that has one was loaded)."""
-    return policy_options(POLICY_EXAMPLES, st.session_state.get(PROPOSERS_KEY))
+    return side_by_side.policy_options(POLICY_EXAMPLES, st.session_state.get(PROPOSERS_KEY))
 
 
 def _default_policy() -> int:
@@ -114,7 +112,7 @@ def start(inp: dict) -> None:
         req = request_of(inp)
         check(req, s.engine)  # fail fast on a bad spec, before loading any model
         pair = get_pair(s, inp["tier"])
-        st.session_state[PROPOSERS_KEY] = proposers_of(pair)
+        st.session_state[PROPOSERS_KEY] = side_by_side.proposers_of(pair)
         prefix = get_prefix_cache(s, inp["tier"], inp["budget_mib"])
         run = start_live(pair, req, s.db, prefix, get_suffix_history(s))
     except Exception as e:  # noqa: BLE001 - one line in the UI, never a traceback

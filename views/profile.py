@@ -10,9 +10,7 @@ import pandas as pd
 import streamlit as st
 
 from engine.base.names import tiers_of
-from engine.decode.policies import POLICY_EXAMPLES, parse_policy
-from engine.lab.profiling import sweep_jobs
-from engine.service import prompt_set, sweep_table
+from engine.service import POLICY_EXAMPLES, parse_policy, prompt_set, sweep_jobs, sweep_table
 from engine.service.cluster import ClusterSpec, PairSpec
 from engine.service.jobs import RUNNER, SweepSpec, SweepStatus
 from engine.service.kernels import kernel_report

@@ -46,3 +46,12 @@ def medians_ms(fns: Sequence[Callable[[], object]], reps: int, warmup: int = 0,
 
 def csv_list(text: str) -> list[str]:
     return [x.strip() for x in text.split(",") if x.strip()]
+
+
+def first_difference(a: Sequence[int], b: Sequence[int]) -> int | None:
+    """The first position where two token lists differ (None: the same); a list that ends while
+    the other goes on differs at its end."""
+    for i, (x, y) in enumerate(zip(a, b)):
+        if x != y:
+            return i
+    return None if len(a) == len(b) else min(len(a), len(b))

@@ -32,8 +32,9 @@ def tiers_of(engine: str | None) -> tuple[tuple[str, ...], tuple[str, ...]]:
     return (GGUF_FORMATS, GGUF_KV_TIERS) if engine == "llamacpp" else (WEIGHT_TIERS, KV_TIERS)
 
 
-def check_kv_tier(kv_tier: str, engine: str = "torch") -> str:
-    """`kv_tier` if `engine` has it; a one-line ValueError naming the engine's otherwise."""
+def check_kv_tier(kv_tier: str, engine: str | None = "torch") -> str:
+    """`kv_tier` if `engine` has it (None: any engine); a one-line ValueError naming the engine's
+    otherwise. The one wording of that error, wherever a KV tier is read."""
     known = tiers_of(engine)[1]
     if kv_tier not in known:
         on, note = (" on the llama.cpp engine", " (native: f16)") if engine == "llamacpp" else ("", "")

@@ -211,8 +211,8 @@ def _activation(a: argparse.Namespace) -> bool | None:
          ("--json", dict(action="store_true", help="print the per-tier table as JSON")), models=True, db="DuckDB file")
 def cmd_profile(a: argparse.Namespace) -> int:
     from engine.decode.policies import parse_policy
-    from engine.lab.profiling import sweep_jobs
     from engine.service import format_sweep, parse_kv_tiers, parse_tiers, profile, prompt_set, sweep_table
+    from engine.service.sweeps import sweep_jobs
     from store import Store
 
     tiers, prompts, policies = parse_tiers(a.tiers, a.engine), prompt_set(a.prompts, a.per_task), split_policies(a.policies)

@@ -11,6 +11,7 @@ from typing import Callable
 
 import numpy as np
 
+from engine.base.names import check_kv_tier
 from engine.decode.records import DecodeState, StepRecord
 
 # The paper's six inputs, in its order. The first four describe the draft's uncertainty over
@@ -45,7 +46,7 @@ def kv_code(kv_tier: str | None) -> int:
     kv_tier = kv_tier if isinstance(kv_tier, str) else "native"
     codes = KV_CODES | GGUF_KV_CODES
     if kv_tier not in codes:
-        raise ValueError(f"unknown KV tier {kv_tier!r}; known: {', '.join(codes)}")
+        check_kv_tier(kv_tier, None)  # unknown to every engine: a ValueError in one line
     return codes[kv_tier]
 
 

@@ -16,12 +16,11 @@ from engine.base.names import COST_KEY
 from engine.decode.records import K_MAX
 
 # Context lengths measured; a step within them uses the nearest one below. Up to 1,024 because
-# a verify of several rows grows faster with the context than a plain step (at fp32 on 2 cores: 1
-# drafted token costs 1.29 plain steps at 512 tokens, 1.41 at 1,024, 1.87 at 3,072), and long
-# prompts (a shared system prompt, a document) are where a draft that paid at 512 loses: a table
-# that stopped at 512 priced a 4-token n-gram draft at 1,050 tokens at 1.83 plain steps, live
-# steps paid ~2.15. (Buckets past a model's context are skipped. With a 2,048 bucket too, bench
-# prefix's table and calibration took 805 s instead of 275 s: a round there reads 2,048-token prompts.)
+# a verify of several rows grows faster with the context than a plain step, and long prompts (a
+# shared system prompt, a document) are where a draft that paid at 512 loses: a table that
+# stopped at 512 priced long drafts well under what live steps paid. Not 2,048: a round there
+# reads 2,048-token prompts, which tripled the time of bench prefix's table and calibration.
+# Buckets past a model's context are skipped. (Figures: docs/benchmarks.md, "Cost buckets".)
 CONTEXT_BUCKETS = (64, 256, 512, 1024)
 # Beyond the last bucket costs keep growing, so there they follow the slope of the last two
 # buckets, read at multiples of this many tokens (a controller's choice stays cached within one).

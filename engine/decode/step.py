@@ -1,6 +1,6 @@
 """The one decode loop: policy → propose → verify → record, whatever proposes and verifies.
 
-Live generations run it over model-backed oracles (engine/oracles/model.py), what-if replay
+Live generations run it over model-backed oracles (engine/oracles/draft.py, target.py), what-if replay
 over trace-backed ones (engine/oracles/trace.py): the same function makes every choice in both,
 so a replay is the live run by construction (docs/architecture.md, "The step")."""
 from __future__ import annotations

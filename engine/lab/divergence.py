@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
+from engine.base.helpers import first_difference
 from engine.decode.policies import make_policy
 from engine.lab.generation import GenConfig, Generation, encode_messages, encode_prompt
 from engine.runtime.models import ModelPair
@@ -28,34 +29,29 @@ class Divergence:
     reuse_first_divergence: list[int | None]
 
 
-def first_difference(a: list[int], b: list[int]) -> int | None:
-    for i, (x, y) in enumerate(zip(a, b)):
-        if x != y:
-            return i
-    return None if len(a) == len(b) else min(len(a), len(b))
-
-
 FOLLOW_UP = "Now say it again in fewer words."
 
 
 def measure(pair: ModelPair, prompts: list[str], policy: str, max_new_tokens: int) -> Divergence:
     cfg = GenConfig(max_new_tokens=max_new_tokens)
+
+    def output(ids: list[int], spec: str = policy, prefix: PrefixCache | None = None, reuse: bool = True) -> list[int]:
+        return Generation(pair, ids, make_policy(spec), replace(cfg, reuse=reuse), prefix=prefix).run().token_ids
+
     firsts, reuse_firsts, compared = [], [], 0
     for prompt in prompts:
         ids = encode_prompt(pair.tokenizer, prompt, chat=True)
-        plain = Generation(pair, ids, make_policy("ar"), cfg).run().token_ids
-        spec = Generation(pair, ids, make_policy(policy), cfg).run().token_ids
-        firsts.append(first_difference(plain, spec))
+        plain = output(ids, "ar")
+        firsts.append(first_difference(plain, output(ids)))
         compared += len(plain)
         # A second turn re-sending the first: with reuse it reads only what the first run did not.
         turn = encode_messages(pair.tokenizer, [{"role": "user", "content": prompt},
                                                 {"role": "assistant", "content": pair.tokenizer.decode(plain, skip_special_tokens=True)},
                                                 {"role": "user", "content": FOLLOW_UP}])
         cache = PrefixCache()
-        Generation(pair, ids, make_policy(policy), cfg, prefix=cache).run()
-        reused = Generation(pair, turn, make_policy(policy), cfg, prefix=cache).run().token_ids
-        recomputed = Generation(pair, turn, make_policy(policy), replace(cfg, reuse=False)).run().token_ids
-        reuse_firsts.append(first_difference(recomputed, reused))
+        output(ids, prefix=cache)  # the first turn, stored for the second to reuse
+        reused = output(turn, prefix=cache)
+        reuse_firsts.append(first_difference(output(turn, reuse=False), reused))
     n = len(prompts)
     return Divergence(pair.target_tier, policy, n, sum(f is None for f in firsts) / n, firsts, compared,
                       sum(f is None for f in reuse_firsts) / n, reuse_firsts)

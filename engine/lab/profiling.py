@@ -10,9 +10,8 @@ run's catch-up reads several at once, which the draft's row-invariant forward co
 bit alike, so any policy replays over a trace exactly (engine/lab/whatif.py)."""
 from __future__ import annotations
 
-import itertools
 from dataclasses import dataclass, replace
-from typing import Callable, Iterable, Iterator
+from typing import Callable, Iterator
 
 import numpy as np
 import torch
@@ -24,8 +23,9 @@ from engine.decode.records import UNBOUNDED, DraftToken
 from engine.lab.generation import GenConfig, Generation, encode_prompt
 from engine.lab.timing import SPREAD_LIMIT, MachineBusy, Neighbours, busy_limit, timed_medians
 from engine.oracles import PROPOSERS, available, build, draft_head, target_verifier
-from engine.oracles.model import DraftModelProposer, draft_read, target_reads
+from engine.oracles.draft import DraftModelProposer, draft_read
 from engine.oracles.sampling import Sampler, law_sum, warp
+from engine.oracles.target import target_reads
 from engine.runtime.forward import crop_to, forward_logits, sync_device
 from engine.runtime.kv.cache import new_cache
 from engine.runtime.models import ModelPair, pair_device
@@ -367,32 +367,3 @@ def long_rounds(reps: int, warmup: int, n: int = LONG_REPS) -> set[int]:
     evenly over the `reps` after `warmup`, so that they stay in turns with the rest of the block."""
     n = min(n, reps)
     return {0} | {warmup + i * (reps - 1) // max(n - 1, 1) for i in range(n)}
-
-
-# -- sweeps ----------------------------------------------------------------------------------------
-@dataclass(frozen=True)
-class Job:
-    tier: str  # the target's weight tier
-    task: str
-    prompt: str
-    policy: str
-    kv_tier: str = "native"  # the target's KV cache tier
-
-    @property
-    def key(self) -> tuple[str, str, str, str]:
-        """What a stored run of the sweep is matched on: (tier, KV tier, prompt, policy)."""
-        return (self.tier, self.kv_tier, self.prompt, self.policy)
-
-
-def sweep_jobs(prompts: Iterable[tuple[str, str]], tiers: list[str], policies: list[str],
-               kv_tiers: Iterable[str] = ("native",)) -> list[Job]:
-    """Tier-major (a tier's models load once), then KV tier (a policy context per KV tier), then
-    prompt, then policy."""
-    prompts, kv_tiers = list(prompts), list(kv_tiers)
-    return [Job(t, task, p, pol, kv) for t, kv, (task, p), pol in itertools.product(tiers, kv_tiers, prompts, policies)]
-
-
-def pending(jobs: list[Job], done: set[tuple[str, str, str, str]]) -> list[Job]:
-    """Jobs whose (tier, KV tier, prompt, policy) has no stored run in this sweep yet: a rerun resumes."""
-    return [j for j in jobs if j.key not in done]
-

@@ -1,5 +1,5 @@
 """Comparisons: two to four policies on the same prompts, run one after another on one loaded
-pair (never two decodes at once: each run takes the process's decode slot, engine/lab/slots.py), and
+pair (never two decodes at once: each run takes the process's decode slot, engine/lab/decode_lock.py), and
 the figures the Compare page draws from them: a summary per policy, the γ each chose per step,
 and where their outputs differ. Also the what-if table over stored traces.
 
@@ -15,6 +15,7 @@ from typing import Any, Callable, Sequence
 
 import pandas as pd
 
+from engine.base.helpers import first_difference as pairwise_difference
 from engine.decode.policies import NEEDS_CONTEXT, make_policy, parse_policy
 
 MIN_POLICIES, MAX_POLICIES = 2, 4
@@ -172,13 +173,13 @@ def first_difference(token_lists: Sequence[Sequence[int]]) -> dict[str, Any]:
     differs at its end."""
     lists = [list(t) for t in token_lists]
     lengths = [len(t) for t in lists]
-    if len(lists) < 2:
+    # Where every list agrees with the first, all agree: the first split is the earliest of those.
+    splits = [p for t in lists[1:] if (p := pairwise_difference(lists[0], t)) is not None]
+    if not splits:
         return dict(identical=True, position=None, tokens=[], lengths=lengths)
-    for pos in range(max(lengths)):
-        here = [t[pos] if pos < len(t) else None for t in lists]
-        if len(set(here)) > 1:
-            return dict(identical=False, position=pos, tokens=here, lengths=lengths)
-    return dict(identical=True, position=None, tokens=[], lengths=lengths)
+    pos = min(splits)
+    return dict(identical=False, position=pos, tokens=[t[pos] if pos < len(t) else None for t in lists],
+                lengths=lengths)
 
 
 def differences_from_first(token_lists: Sequence[Sequence[int]]) -> list[dict[str, Any]]:
@@ -190,8 +191,8 @@ def differences_from_first(token_lists: Sequence[Sequence[int]]) -> list[dict[st
     out = []
     for t in lists:
         n = max(len(t), len(ref))
-        diff = [p for p in range(n) if (t[p] if p < len(t) else None) != (ref[p] if p < len(ref) else None)]
-        out.append(dict(first_difference=diff[0] if diff else None, differing=len(diff), length=len(t)))
+        differing = sum((t[p] if p < len(t) else None) != (ref[p] if p < len(ref) else None) for p in range(n))
+        out.append(dict(first_difference=pairwise_difference(ref, t), differing=differing, length=len(t)))
     return out
 
 

@@ -1,7 +1,7 @@
 """The two oracles the step loop (decode/step.py) walks: proposers and verifiers backed by live
-models (model.py, eagle.py) or by counts of the text itself (ngram.py, suffix.py: no model), or by
-stored acceptance traces (trace.py); the verification math apart from every proposer (sampling.py:
-greedy acceptance, rejection sampling).
+models (draft.py: the draft model; target.py: the target's verifier; eagle.py) or by counts of
+the text itself (ngram.py, suffix.py: no model), or by stored acceptance traces (trace.py); the
+verification math apart from every proposer (sampling.py: greedy acceptance, rejection sampling).
 
 `PROPOSERS` builds a run's proposers by name (docs/architecture.md, "Oracles"); each factory
 imports its class only when called, so that this package (which trace.py and replay import)
@@ -29,7 +29,7 @@ def draft_head(pair, options: dict[str, str] | None = None):
 
 
 def _draft(pair, prompt_ids: list[int], sampler, verifier, options: dict[str, str], history=None):
-    from engine.oracles.model import DraftModelProposer
+    from engine.oracles.draft import DraftModelProposer
 
     return DraftModelProposer(pair, prompt_ids, sampler, lambda: verifier.hit, draft_head(pair, options))
 
@@ -84,13 +84,13 @@ def check_proposers(pair, names: tuple[str, ...] | None) -> tuple[str, ...]:
 
 
 def target_verifier(pair, prompt_ids: list[int], sampler, prefix=None, kv_tier: str = "native"):
-    """The verifier of `pair`'s target on its engine: torch's (model.py, with the prefix cache) or
+    """The verifier of `pair`'s target on its engine: torch's (target.py, with the prefix cache) or
     llama.cpp's (llama_target.py, which keeps none across requests)."""
     if getattr(pair, "engine", "torch") == "llamacpp":
         from engine.oracles.llama_target import LlamaTargetVerifier
 
         return LlamaTargetVerifier(pair, prompt_ids, sampler, kv_tier)
-    from engine.oracles.model import TargetVerifier
+    from engine.oracles.target import TargetVerifier
 
     return TargetVerifier(pair, prompt_ids, sampler, prefix, kv_tier)
 

@@ -1,5 +1,5 @@
 """The target verifier on the llama.cpp engine (engine/runtime/llamacpp.py): the same duty as
-TargetVerifier (oracles/model.py) — prefill, one read of [newest token, d_1 … d_k], acceptance,
+TargetVerifier (oracles/target.py) — prefill, one read of [newest token, d_1 … d_k], acceptance,
 the rejected positions dropped from the KV cache, rewind — over a llama.cpp context.
 
 llama.cpp's batched read is not its one-token read (other kernels, other rounding): a verify of

@@ -2,7 +2,7 @@
 
 A draft token is a one-row forward through a few small layers, so on a CPU HF's per-module
 overhead (hooks, keyword plumbing, a causal mask built and then unused by the row-invariant
-attention) cost about a quarter of it: a drafted token of the embedded draft 2.5 → 1.9 ms. This
+attention) cost about a quarter of it (docs/benchmarks.md, "Cost buckets and the lean body"). This
 forward runs the very operations HF's Llama forward runs under `invariance.make_row_invariant`,
 in the same order on the same tensors, so its states and cache are HF's bit for bit (tested); it
 only skips the machinery between them. Where a layer's q/k/v (or gate/up) matrices all read

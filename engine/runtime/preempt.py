@@ -1,7 +1,7 @@
 """Points between the layers of a forward where a long decode turn may be paused while another
 session's first turn runs, then resumed where it stopped.
 
-A decode turn holds the process's decode slot (engine/lab/slots.py) for a whole step, and a step
+A decode turn holds the process's decode slot (engine/lab/decode_lock.py) for a whole step, and a step
 can be long: a sweep's prefill of a real prompt, a trace step's eight drafts, any step while
 browsers take the cores. A session that presses Generate meanwhile waits for all of it. So every
 forward passes a `point()` before each decoder layer (HF's layers through a pre-hook, `at_layers`;

@@ -6,7 +6,7 @@ neighbour process), the scheduler parks a member and the whole team waits for it
 decode turn then takes many times its share of the CPU, and every session in the decode queue
 waits behind it (docs/benchmarks.md, bench load). On one thread nothing waits at a barrier.
 
-So each decode turn of the workbench (engine/lab/slots.stepped) runs under `turn_threads()`: while
+So each decode turn of the workbench (engine/lab/decode_lock.stepped) runs under `turn_threads()`: while
 the kernel says some task waited for a CPU for at least CONTENDED of the last second
 (/proc/pressure/cpu, sampled by a daemon thread), the turn runs on one thread, and turns stay
 there HOLD_S after the pressure was last seen. Outputs do not change: turns leave all the cores
@@ -16,7 +16,7 @@ with one core, turns keep every core.
 
 Between two turns of a running decode the workbench also gives way (`give_way`): while some task
 waited for a CPU nearly all of the last second (EXTREME), the decode's next turn waits (for how
-long at most, engine/lab/slots.stepped says), so pages that sessions opened (and their browsers,
+long at most, engine/lab/decode_lock.stepped says), so pages that sessions opened (and their browsers,
 where they share the machine) get the cores first. Its first turn never waits, nor does anyone
 queued behind it: the decode waits before it queues."""
 from __future__ import annotations

@@ -1,11 +1,16 @@
 """The service layer: one owner per user action, what the CLI, the pages and the benchmarks call
 (docs/architecture.md, "Layers"). Each module is one family of actions over the engine and the
-store; this package re-exports their public names, so callers write `service.generate(...)`.
+store; this package re-exports their public names, so callers write `service.generate(...)`, and
+the names of the layers below that the pages show (policy specs, the workbench's prompt, the
+comparison's shaping): views/ and app.py import nothing below it but engine.base.
 
 May import: engine.base, engine.datasets, engine.decode, engine.runtime, engine.oracles, engine.lab,
 engine.training, store. Torch-free at import: a function that runs models imports what it needs."""
 from __future__ import annotations
 
+from engine.datasets.prompts import WORKBENCH_PROMPT
+from engine.decode.policies import DEFAULT_POLICY, POLICY_EXAMPLES, parse_policy
+from engine.lab import side_by_side
 from engine.lab.whatif import tier_label
 from engine.oracles.suffix import SUFFIX_BUDGET, SuffixHistory
 from engine.service.cost_tables import (
@@ -34,6 +39,7 @@ from engine.service.replays import TRACE_IDENTITY, newest_traces, replay_all, re
 from engine.service.runs import (
     Request,
     check,
+    comparison_contexts,
     generate,
     greedy_history,
     keep,
@@ -51,11 +57,14 @@ from engine.service.sweeps import (
     profile,
     prompt_set,
     stored_keys,
+    sweep_jobs,
     sweep_table,
     trace_prompts,
 )
 
 __all__ = [
+    "DEFAULT_POLICY", "POLICY_EXAMPLES", "WORKBENCH_PROMPT", "parse_policy", "side_by_side", "comparison_contexts",
+    "sweep_jobs",
     "Request", "check", "generate", "keep", "open_generation", "run_policies", "SUFFIX_BUDGET", "SuffixHistory",
     "greedy_history", "suffix_history",
     "ALPHA_MIN_STEPS", "MEASURE_KV_MINUTES", "TRACE_IDENTITY", "TRACE_POLICIES", "calibrate_all", "calibrate_costs",

@@ -11,15 +11,10 @@ import os
 import socket
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 from engine.base.helpers import one_line
-from engine.service.sweeps import cell_key
+from engine.service.sweeps import Job, cell_key
 from store import Store
-
-if TYPE_CHECKING:  # lab.profiling imports torch; a Job is plain data
-    from engine.lab.profiling import Job
-
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 LOCAL_CPUS = 2  # a local cluster's size: this project's machine has two cores

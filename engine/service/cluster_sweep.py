@@ -23,7 +23,7 @@ import socket
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Callable
+from typing import Any, Callable
 
 from engine.base.helpers import one_line
 from engine.service.cluster import (
@@ -39,11 +39,8 @@ from engine.service.cluster import (
     local_env,
     plan_workers,
 )
-from engine.service.sweeps import failed_row
+from engine.service.sweeps import Job, failed_row, pending
 from store import Store
-
-if TYPE_CHECKING:  # lab.profiling imports torch; a Job is plain data
-    from engine.lab.profiling import Job
 
 
 # -- the worker --------------------------------------------------------------------------------------
@@ -169,7 +166,6 @@ class RaySweep:
 
     # ----- the whole sweep ----------------------------------------------------------------------------
     def run(self) -> SweepResult:
-        from engine.lab.profiling import pending
         from engine.service.sweeps import stored_keys
 
         t0 = time.monotonic()

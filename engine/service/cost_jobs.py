@@ -1,7 +1,7 @@
 """A cost table measured in the background, after a run that had to start without one (a first
 Generate on a fresh database reads a probe instead of waiting a minute for the table): one
 measurement at a time per process, on a daemon thread, a context bucket per hold of the decode
-slot (engine/lab/slots.py), so that a Generate pressed meanwhile waits for one bucket at most. Any
+slot (engine/lab/decode_lock.py), so that a Generate pressed meanwhile waits for one bucket at most. Any
 session reads its status (the Live page shows a progress bar). Torch-free at import."""
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from dataclasses import dataclass, replace
 
 from engine.base.helpers import one_line
 from engine.decode.costs import REPS
-from engine.lab.slots import decode_slot
+from engine.lab.decode_lock import decode_slot
 from engine.service.cost_tables import cost_key, missing_buckets, stored_costs
 from store import Store
 

@@ -5,7 +5,7 @@ streamlit: the page passes a loader of its cached pairs.
 A sweep is `service.profile` (the CLI's `profile --sweep`: each run stored as it finishes, a
 rerun of the same name resumes), optionally after `service.trace_prompts` over the same prompts
 so that replay and retrain have traces. Every model call takes the process's decode slot
-(engine/lab/slots.py) per run, so a live decode waits at most one run. Stop is checked between runs:
+(engine/lab/decode_lock.py) per run, so a live decode waits at most one run. Stop is checked between runs:
 the run in progress finishes and is stored."""
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from engine.base.helpers import one_line
-from engine.lab.slots import decode_slot, stepped
+from engine.lab.decode_lock import decode_slot, stepped
 from engine.service import profile, tier_label, trace_prompts
 from store import Store
 

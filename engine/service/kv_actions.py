@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from engine.base.helpers import one_line
-from engine.base.names import KV_TIERS
+from engine.base.names import KV_TIERS, check_kv_tier
 from engine.service.runs import file_missing
 from engine.service.sweeps import parse_tiers
 from store import Store
@@ -98,8 +98,7 @@ def kv_view(row: dict, kv_tier: str, coded: bool, predictor: str | None, window:
     from engine.service import kv_tuner as tuner
 
     kv_seed.check_inputs(context, link_gbit_s, goal)
-    if kv_tier not in KV_TIERS:
-        raise ValueError(f"unknown KV tier {kv_tier!r}; known: {', '.join(KV_TIERS)}")
+    check_kv_tier(kv_tier)
     if isinstance(window, bool) or not isinstance(window, int) or window < 1:
         raise ValueError(f"W must be a whole number of tokens ≥ 1, got {window!r}")
     m, notes = row["result"], []

@@ -5,7 +5,7 @@ fragment's run (its rerun waits for the run to end): a Stop must reach a decode 
 Here it is heard within one step, and the run is then stored like any other. Leaving the page does
 not end the run either.
 
-The run takes the process's decode slot (engine/lab/slots.py) one step at a time, in turns with
+The run takes the process's decode slot (engine/lab/decode_lock.py) one step at a time, in turns with
 the other sessions' decodes, reads what its policy needs without measuring anything (a missing
 cost table is probed in seconds, inside the slot; nothing else runs the models before the
 prefill, so the opening takes no turn), and after the run, where the costs were probed or lack the
@@ -20,7 +20,7 @@ from typing import Any
 
 from engine.base.helpers import one_line
 from engine.decode.policies import NEEDS_CONTEXT, parse_policy
-from engine.lab.slots import decode_slot, queued, stepped
+from engine.lab.decode_lock import decode_slot, queued, stepped
 from engine.service.cost_jobs import MEASURER
 from engine.service.cost_tables import reach, would_probe
 from engine.service.runs import Request, Stored, check, keep, open_generation, store_outcome
@@ -50,6 +50,21 @@ def load_for_turns(target: str | None, draft: str | None, target_tier: str, engi
     threading.Thread(target=_probe_threads, args=(pair, label, cores), name=f"thread probe {label}",
                      daemon=True).start()
     return pair
+
+
+def shared_prefix_cache(budget_bytes: int):
+    """The prefix cache the workbench's sessions share for a pair: evictions spill to a temporary
+    folder, raw, under four times the budget (engine/runtime/prefix_cache.spilling)."""
+    from engine.runtime.prefix_cache import spilling
+
+    return spilling(budget_bytes)
+
+
+def device_label() -> str:
+    """The device the workbench's models run on (CUDA when present)."""
+    from engine.runtime.models import resolve_device
+
+    return str(resolve_device(None))
 
 
 def _probe_threads(pair, label: str, cores: int) -> None:

@@ -15,10 +15,10 @@ from typing import Any, Callable, Collection, Sequence
 
 from engine.base.helpers import one_line
 from engine.decode.policies import DEFAULT_POLICY, NEEDS_CONTEXT, make_policy, parse_policy
+from engine.lab.decode_lock import decode_slot, stepped
 from engine.lab.side_by_side import Result, check_policies, shared_seed
-from engine.lab.slots import stepped
 from engine.oracles.suffix import SUFFIX_BUDGET, SuffixHistory, check_budget, prompt_key
-from engine.service.cost_tables import context_for, reach
+from engine.service.cost_tables import context_for, measure_in_turns, reach
 from store import Store
 
 AUTO = object()  # open_generation's context: read it from the database (context_for)
@@ -115,11 +115,28 @@ def keep(gen, req: Request, db: "str | Store | None" = None, wait_s: float = 10.
     return kept
 
 
+def comparison_contexts(db: str, pair, specs: Sequence[str], prompts: Sequence[str], req: "Request",
+                        on_wait: Callable[[str], None] = lambda busy: None) -> dict[str, Any]:
+    """spec → the PolicyContext it needs (None for most) for a comparison of `prompts` under `req`
+    (its chat template, max new tokens and KV tier): what the store lacks of the cost table up to
+    the longest run's reach is measured first, a context bucket per hold of the decode slot, and
+    the contexts are read inside one hold (`on_wait(holder)` when another decode holds it)."""
+    from engine.lab.generation import encode_prompt
+
+    longest = max(len(encode_prompt(pair.tokenizer, p, req.chat)) for p in prompts)
+    upto = reach(longest, req.max_new_tokens)
+    hold = lambda: decode_slot("a comparison (cost tables)", on_wait)  # noqa: E731
+    if any(parse_policy(spec)[0] in NEEDS_CONTEXT for spec in specs):
+        measure_in_turns(db, pair, req.kv_tier, upto, hold)
+    with hold():
+        return {spec: context_for(db, pair, spec, kv_tier=req.kv_tier, context=upto) for spec in specs}
+
+
 def run_policies(pair, prompts: Sequence[str], policies: Sequence[str], req: Request, ctx_for: Callable[[str], Any],
                  prefix=None, on_run: Callable[[Result], None] = lambda r: None,
                  on_wait: Callable[[str], None] = lambda busy: None, history=None) -> list[Result]:
     """Compare's runs: every policy on every prompt, prompt-major, one run at a time, each taking
-    the decode slot step by step (slots.stepped; `on_wait(holder)` is called when another decode
+    the decode slot step by step (decode_lock.stepped; `on_wait(holder)` is called when another decode
     holds it at a run's first step), each from `req` with its prompt and policy. `ctx_for(spec)`
     gives the PolicyContext a spec needs (None for most). Each policy gets a fresh Policy per run
     (adaptive ones learn within a run) and the same config, seed included. `on_run` sees each run

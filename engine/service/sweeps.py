@@ -1,7 +1,9 @@
-"""Prompt sets, tracing and profiling sweeps (resumable under a sweep name) and their tables."""
+"""Prompt sets, tracing and profiling sweeps (their jobs, resumable under a sweep name) and their tables."""
 from __future__ import annotations
 
 import contextlib
+import itertools
+from dataclasses import dataclass
 from typing import Any, Callable, ContextManager, Iterable, Mapping
 
 from engine.base.helpers import csv_list, one_line
@@ -13,6 +15,33 @@ from engine.service.cost_tables import measure_in_turns, policy_context, reach
 from store import Store
 
 TRACE_POLICIES = "ar,fixed:1,fixed:2,fixed:3,fixed:4,fixed:6,fixed:8,heuristic,rules,speckv,rakv"
+
+
+@dataclass(frozen=True)
+class Job:
+    tier: str  # the target's weight tier
+    task: str
+    prompt: str
+    policy: str
+    kv_tier: str = "native"  # the target's KV cache tier
+
+    @property
+    def key(self) -> tuple[str, str, str, str]:
+        """What a stored run of the sweep is matched on: (tier, KV tier, prompt, policy)."""
+        return (self.tier, self.kv_tier, self.prompt, self.policy)
+
+
+def sweep_jobs(prompts: Iterable[tuple[str, str]], tiers: list[str], policies: list[str],
+               kv_tiers: Iterable[str] = ("native",)) -> list[Job]:
+    """Tier-major (a tier's models load once), then KV tier (a policy context per KV tier), then
+    prompt, then policy."""
+    prompts, kv_tiers = list(prompts), list(kv_tiers)
+    return [Job(t, task, p, pol, kv) for t, kv, (task, p), pol in itertools.product(tiers, kv_tiers, prompts, policies)]
+
+
+def pending(jobs: list[Job], done: set[tuple[str, str, str, str]]) -> list[Job]:
+    """Jobs whose (tier, KV tier, prompt, policy) has no stored run in this sweep yet: a rerun resumes."""
+    return [j for j in jobs if j.key not in done]
 
 
 def prompt_set(which: str, per_task: int | None) -> list[tuple[str, str]]:
@@ -112,10 +141,9 @@ def profile(st: Store, sweep: str, jobs: list, load: Callable[[str], object], ma
     `guard(job)`: the workbench takes its decode slot there, and stops a sweep between runs by
     raising from it (engine/service/jobs.py). A run's steps are taken through `turns(gen)`, as
     a trace's are in trace_prompts: the workbench takes the slot a step at a time there
-    (engine/lab/slots.stepped), so a session's Generate waits for a step of the sweep's run, not
+    (engine/lab/decode_lock.stepped), so a session's Generate waits for a step of the sweep's run, not
     for the whole run. Returns how many ran."""
     from engine.lab.generation import encode_prompt
-    from engine.lab.profiling import pending
     from engine.runtime.models import pair_device
     from engine.service.runs import Request, keep, open_generation
 

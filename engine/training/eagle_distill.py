@@ -30,7 +30,9 @@ from engine.lab.generation import encode_messages
 from engine.runtime import draft_model as draftlib
 from engine.runtime import eagle_head as eaglelib
 from engine.runtime.vocab_head import rank_tokens
-from engine.training.distill import Checkpoint, optimize, respond
+from engine.training.distill import Checkpoint, optimize
+from engine.training.distill_config import check_run
+from engine.training.distill_data import respond
 
 
 @dataclass
@@ -59,13 +61,7 @@ class EagleDistillConfig:
     stage: str = "all"  # "data": stop once the feature shards exist
 
     def validate(self) -> None:
-        for name in ("steps", "batch_seqs", "gen_batch", "seq_len", "draft_vocab", "max_new_tokens", "ckpt_every"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be ≥ 1, got {getattr(self, name)}")
-        if self.stage not in ("all", "data"):
-            raise ValueError(f"stage must be all or data, got {self.stage!r}")
-        if not self.lr > 0:
-            raise ValueError(f"lr must be > 0, got {self.lr}")
+        check_run(self, ("steps", "batch_seqs", "gen_batch", "seq_len", "draft_vocab", "max_new_tokens", "ckpt_every"))
 
 
 # -- text ------------------------------------------------------------------------------------------

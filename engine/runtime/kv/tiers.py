@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.base.names import KV_TIERS
+from engine.base.names import KV_TIERS, check_kv_tier  # noqa: F401 - KV_TIERS: re-exported
 
 FP8_MAX = 448.0  # largest finite e4m3fn value
 INT8_MAX = 127
@@ -78,7 +78,8 @@ def quantize(x: torch.Tensor, tier: str) -> Quantized:
         safe = torch.where(scale > 0, scale.float(), torch.ones_like(amax))
         q = torch.round(x.float() / safe).clamp(-INT8_MAX, INT8_MAX).to(torch.int8)
         return Quantized(q, scale)
-    raise ValueError(f"unknown KV tier {tier!r}; known: {', '.join(KV_TIERS)}")
+    check_kv_tier(tier)  # unknown: a ValueError in one line
+    raise AssertionError(f"KV tier {tier} has no branch here")
 
 
 def dequantize(q: Quantized, tier: str, dtype: torch.dtype) -> torch.Tensor:
@@ -89,7 +90,8 @@ def dequantize(q: Quantized, tier: str, dtype: torch.dtype) -> torch.Tensor:
         return torch.ldexp(q.codes.float(), q.scale.float()).to(dtype)
     if tier == "int8":
         return (q.codes.float() * q.scale.float()).to(dtype)
-    raise ValueError(f"unknown KV tier {tier!r}; known: {', '.join(KV_TIERS)}")
+    check_kv_tier(tier)  # unknown: a ValueError in one line
+    raise AssertionError(f"KV tier {tier} has no branch here")
 
 
 def fake_quantize(x: torch.Tensor, tier: str) -> torch.Tensor:
@@ -101,12 +103,10 @@ def bytes_per_token(tier: str, layers: int, kv_heads: int, head_dim: int, native
     """Stored bytes of one token's keys and values at `tier`."""
     per_head = {"native": native_bytes * head_dim, "fp8": head_dim + 1, "int8": head_dim + 2}
     if tier not in per_head:
-        raise ValueError(f"unknown KV tier {tier!r}; known: {', '.join(KV_TIERS)}")
+        check_kv_tier(tier)  # unknown: a ValueError in one line
     return 2 * layers * kv_heads * per_head[tier]
 
 
 def check_tier(tier: str) -> str:
     """`tier` if it is a KV tier; a one-line ValueError naming the known ones otherwise."""
-    if tier not in KV_TIERS:
-        raise ValueError(f"unknown KV tier {tier!r}; known: {', '.join(KV_TIERS)}")
-    return tier
+    return check_kv_tier(tier)

@@ -1,4 +1,4 @@
-"""The process's decode slot (engine/lab/slots.py): first come, first served (a session's opening
+"""The process's decode slot (engine/lab/decode_lock.py): first come, first served (a session's opening
 turn ahead of the later turns of decodes already running), and a waiter that gives up leaves the
 queue as if it had never come."""
 from __future__ import annotations
@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from engine.lab import slots
+from engine.lab import decode_lock
 
 
 def _queue_up(names: list[str], order: list[str], opening: bool = False) -> list[threading.Thread]:
@@ -16,14 +16,14 @@ def _queue_up(names: list[str], order: list[str], opening: bool = False) -> list
     threads = []
     for name in names:
         def take(name=name):
-            with slots.decode_slot(name, opening=opening):
+            with decode_lock.decode_slot(name, opening=opening):
                 order.append(name)
                 time.sleep(0.01)  # a decode: the next in line must not slip in meanwhile
         t = threading.Thread(target=take)
-        before = slots.queued()
+        before = decode_lock.queued()
         t.start()
         deadline = time.monotonic() + 10
-        while slots.queued() == before and time.monotonic() < deadline:
+        while decode_lock.queued() == before and time.monotonic() < deadline:
             time.sleep(0.001)
         threads.append(t)
     return threads
@@ -31,31 +31,31 @@ def _queue_up(names: list[str], order: list[str], opening: bool = False) -> list
 
 def test_the_slot_is_served_in_arrival_order():
     order: list[str] = []
-    with slots.decode_slot("a sweep"):
-        assert slots.holder() == "a sweep" and slots.queued() == 0
+    with decode_lock.decode_slot("a sweep"):
+        assert decode_lock.holder() == "a sweep" and decode_lock.queued() == 0
         names = [f"session {i}" for i in range(8)]
         threads = _queue_up(names, order)
-        assert slots.queued() == len(names)
+        assert decode_lock.queued() == len(names)
     for t in threads:
         t.join(10)
     assert order == names  # nobody waited behind a decode that came after it
-    assert slots.holder() == "" and slots.queued() == 0
+    assert decode_lock.holder() == "" and decode_lock.queued() == 0
 
 
 def test_openings_go_ahead_of_later_turns_in_arrival_order():
     """Sessions' first turns queue behind the openings already waiting, ahead of the later turns
     of decodes already running, and never ahead of the holder."""
     order: list[str] = []
-    with slots.decode_slot("a sweep"):
+    with decode_lock.decode_slot("a sweep"):
         threads = _queue_up(["later 1", "later 2"], order)
         threads += _queue_up(["new 1", "new 2"], order, opening=True)
         threads += _queue_up(["later 3"], order)
         threads += _queue_up(["new 3"], order, opening=True)
-        assert slots.queued() == 6 and slots.holder() == "a sweep"
+        assert decode_lock.queued() == 6 and decode_lock.holder() == "a sweep"
     for t in threads:
         t.join(10)
     assert order == ["new 1", "new 2", "new 3", "later 1", "later 2", "later 3"]
-    assert slots.holder() == "" and slots.queued() == 0
+    assert decode_lock.holder() == "" and decode_lock.queued() == 0
 
 
 def test_a_new_stepped_decode_opens_after_the_step_in_progress():
@@ -73,35 +73,35 @@ def test_a_new_stepped_decode_opens_after_the_step_in_progress():
             time.sleep(0.005)
             yield i
 
-    threads = [threading.Thread(target=lambda n=name: list(slots.stepped(steps(n, 4), n))) for name in "ab"]
-    with slots.decode_slot("a sweep run"):
+    threads = [threading.Thread(target=lambda n=name: list(decode_lock.stepped(steps(n, 4), n))) for name in "ab"]
+    with decode_lock.decode_slot("a sweep run"):
         for t in threads:
-            before = slots.queued()
+            before = decode_lock.queued()
             t.start()
-            while slots.queued() == before:
+            while decode_lock.queued() == before:
                 time.sleep(0.001)
     assert started.wait(10)
-    c = threading.Thread(target=lambda: list(slots.stepped(steps("c", 2), "c", opening=True)))
+    c = threading.Thread(target=lambda: list(decode_lock.stepped(steps("c", 2), "c", opening=True)))
     c.start()
     for t in threads + [c]:
         t.join(10)
     assert order.index("c0") == order.index("a1") + 1, order
-    assert slots.holder() == "" and slots.queued() == 0
+    assert decode_lock.holder() == "" and decode_lock.queued() == 0
 
 
 def test_a_waiter_that_gives_up_leaves_the_others_their_turn():
     order: list[str] = []
     seen: list[str] = []
-    with slots.decode_slot("a long decode"):
+    with decode_lock.decode_slot("a long decode"):
         threads = _queue_up(["first"], order)
         with pytest.raises(TimeoutError, match="busy: a long decode holds the model"):
-            with slots.decode_slot("impatient", on_wait=seen.append, wait_s=0.05):
+            with decode_lock.decode_slot("impatient", on_wait=seen.append, wait_s=0.05):
                 pass
         threads += _queue_up(["second"], order)
-        assert seen == ["a long decode"] and slots.queued() == 2
+        assert seen == ["a long decode"] and decode_lock.queued() == 2
     for t in threads:
         t.join(10)
-    assert order == ["first", "second"] and slots.queued() == 0
+    assert order == ["first", "second"] and decode_lock.queued() == 0
 
 
 def test_stepped_decodes_take_turns_a_step_each():
@@ -117,20 +117,20 @@ def test_stepped_decodes_take_turns_a_step_each():
             yield i
 
     threads = []
-    with slots.decode_slot("a sweep run"):  # all three queue behind it, in this order
+    with decode_lock.decode_slot("a sweep run"):  # all three queue behind it, in this order
         for name in "abc":
             waits[name] = []
-            t = threading.Thread(target=lambda n=name: list(slots.stepped(steps(n), n, waited=waits[n].append)))
-            before = slots.queued()
+            t = threading.Thread(target=lambda n=name: list(decode_lock.stepped(steps(n), n, waited=waits[n].append)))
+            before = decode_lock.queued()
             t.start()
-            while slots.queued() == before:
+            while decode_lock.queued() == before:
                 time.sleep(0.001)
             threads.append(t)
     for t in threads:
         t.join(10)
     assert order == [f"{n}{i}" for i in range(4) for n in "abc"]
     assert all(len(w) == 5 for w in waits.values())  # a turn per step, and one that finds the end
-    assert slots.holder() == "" and slots.queued() == 0
+    assert decode_lock.holder() == "" and decode_lock.queued() == 0
 
 
 def test_closing_a_stepped_decode_closes_its_steps():
@@ -142,10 +142,10 @@ def test_closing_a_stepped_decode_closes_its_steps():
         finally:
             closed.append(True)
 
-    it = slots.stepped(steps(), "a live decode")
+    it = decode_lock.stepped(steps(), "a live decode")
     assert next(it) == 0 and next(it) == 1
     it.close()
-    assert closed == [True] and slots.holder() == "" and slots.queued() == 0
+    assert closed == [True] and decode_lock.holder() == "" and decode_lock.queued() == 0
 
 
 def test_a_running_decode_gives_way_between_turns_within_its_credit(monkeypatch):
@@ -154,7 +154,7 @@ def test_a_running_decode_gives_way_between_turns_within_its_credit(monkeypatch)
     asked: list[float] = []
 
     def give_way(most_s: float) -> float:  # the CPU oversubscribed throughout: it gives all it may
-        assert slots.holder() == "", "it gives way before it queues: nobody waits on it"
+        assert decode_lock.holder() == "", "it gives way before it queues: nobody waits on it"
         asked.append(most_s)
         return most_s
 
@@ -168,13 +168,13 @@ def test_a_running_decode_gives_way_between_turns_within_its_credit(monkeypatch)
             ran.append(time.monotonic() - t0)
             yield i
 
-    assert list(slots.stepped(steps(), "a decode")) == list(range(6))
+    assert list(decode_lock.stepped(steps(), "a decode")) == list(range(6))
     assert len(asked) == 6  # before each turn but the first (the last finds the steps ended)
-    assert asked[:2] == [slots.GIVE_S, slots.GIVE_S]  # a burst: up to GIVE_S a time, on credit
-    assert all(0 <= a <= slots.GIVE_S for a in asked)
+    assert asked[:2] == [decode_lock.GIVE_S, decode_lock.GIVE_S]  # a burst: up to GIVE_S a time, on credit
+    assert all(0 <= a <= decode_lock.GIVE_S for a in asked)
     # In all never more than the credit beyond its own turns: half its speed at worst, however long.
-    assert sum(asked) <= slots.GIVE_CREDIT_S + sum(ran) + 0.05
-    assert sum(asked) >= slots.GIVE_CREDIT_S
+    assert sum(asked) <= decode_lock.GIVE_CREDIT_S + sum(ran) + 0.05
+    assert sum(asked) >= decode_lock.GIVE_CREDIT_S
 
 
 def _layers(name: str, order: list[str], n: int, layer_s: float):
@@ -193,7 +193,7 @@ def test_a_long_turn_hands_the_slot_to_an_opening_at_a_layer_and_resumes(monkeyp
     and the pause counts as its wait (waited), not as its own time (preempt.away_ms)."""
     from engine.runtime import preempt
 
-    monkeypatch.setattr(slots, "SLICE_S", 0.05)
+    monkeypatch.setattr(decode_lock, "SLICE_S", 0.05)
     order: list[str] = []
     waits: list[float] = []
     started = threading.Event()
@@ -206,11 +206,12 @@ def test_a_long_turn_hands_the_slot_to_an_opening_at_a_layer_and_resumes(monkeyp
         _layers("long", order, 20, 0.01)  # 0.2 s: it pauses once an opening waits and 0.05 s ran
         yield "long done"
 
-    long_turn = threading.Thread(target=lambda: list(slots.stepped(long_step(), "a sweep", waited=waits.append)))
-    later_turn = threading.Thread(target=lambda: [order.append("later") for _ in slots.stepped(iter([1]), "later")])
+    long_turn = threading.Thread(target=lambda: list(decode_lock.stepped(long_step(), "a sweep", waited=waits.append)))
+    later_turn = threading.Thread(
+        target=lambda: [order.append("later") for _ in decode_lock.stepped(iter([1]), "later")])
 
     def opening(name: str):
-        with slots.decode_slot(name, opening=True):
+        with decode_lock.decode_slot(name, opening=True):
             order.append(name)
             time.sleep(0.03)
 
@@ -219,7 +220,7 @@ def test_a_long_turn_hands_the_slot_to_an_opening_at_a_layer_and_resumes(monkeyp
     newcomers = [threading.Thread(target=opening, args=(f"new {i}",)) for i in range(2)]
     for n, t in enumerate([later_turn, *newcomers], 1):
         t.start()
-        while slots.queued() < n:
+        while decode_lock.queued() < n:
             time.sleep(0.001)
     t0 = time.monotonic()
     ready.set()
@@ -233,7 +234,7 @@ def test_a_long_turn_hands_the_slot_to_an_opening_at_a_layer_and_resumes(monkeyp
     assert len(waits) == 3 and waits[1] >= 50  # its queue wait, its pause (two openings of 30 ms), the end's
     assert time.monotonic() - t0 >= 0.2 + 0.06  # nothing of the long turn was skipped
     assert preempt.away_ms() == 0.0  # counted on the paused thread only
-    assert slots.holder() == "" and slots.queued() == 0
+    assert decode_lock.holder() == "" and decode_lock.queued() == 0
 
 
 def test_plain_holds_and_short_turns_are_never_paused(monkeypatch):
@@ -243,15 +244,15 @@ def test_plain_holds_and_short_turns_are_never_paused(monkeypatch):
     started = threading.Event()
 
     def plain():
-        with slots.decode_slot("measuring the cost table"):
+        with decode_lock.decode_slot("measuring the cost table"):
             started.set()
             _layers("plain", order, 10, 0.01)
 
     def opening():
-        with slots.decode_slot("a live decode", opening=True):
+        with decode_lock.decode_slot("a live decode", opening=True):
             order.append("new")
 
-    monkeypatch.setattr(slots, "SLICE_S", 0.0)
+    monkeypatch.setattr(decode_lock, "SLICE_S", 0.0)
     holder = threading.Thread(target=plain)
     holder.start()
     started.wait(10)
@@ -260,13 +261,13 @@ def test_plain_holds_and_short_turns_are_never_paused(monkeypatch):
     for t in (holder, newcomer):
         t.join(10)
     assert order == [f"plain{i}" for i in range(10)] + ["new"]
-    monkeypatch.setattr(slots, "SLICE_S", 10.0)
+    monkeypatch.setattr(decode_lock, "SLICE_S", 10.0)
     order.clear()
     def turn():
         _layers("turn", order, 5, 0.01)
         yield 1
 
-    stepper = threading.Thread(target=lambda: list(slots.stepped(turn(), "a live decode")))
+    stepper = threading.Thread(target=lambda: list(decode_lock.stepped(turn(), "a live decode")))
     stepper.start()
     newcomer = threading.Thread(target=opening)
     while not order:
