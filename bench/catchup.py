@@ -19,14 +19,15 @@ import sys
 
 import torch
 
+from engine.base.flags import add_model_args
 from engine.base.helpers import median_ms
 from engine.datasets.prompts import heldout
 from engine.lab.generation import encode_prompt
 from engine.oracles.draft import draft_read
-from engine.runtime import invariance, rowdot
+from engine.runtime import invariance
 from engine.runtime.forward import crop_to, forward_logits, sync_device
+from engine.runtime.kernels import rowdot
 from engine.runtime.models import ModelPair, load_pair
-from engine.service.options import add_model_args
 
 SIZES = (1, 8, 32, 64)
 

@@ -28,7 +28,7 @@ import numpy as np
 from engine.base.names import DATA_DIR
 from engine.datasets.prompts import first_per_task
 
-VERIFY = ("auto", "exact", "fast")  # engine.service.options.VERIFY_MODES (imported there with torch)
+VERIFY = ("auto", "exact", "fast")  # engine.base.flags.VERIFY_MODES (imported there with torch)
 
 PAPER_DECISION_MS = 0.336
 CALIBRATION_POLICIES = ("ar", "fixed:1", "fixed:2", "fixed:4")
@@ -42,9 +42,9 @@ def decision(csv: Path, n: int = 5000) -> dict:
     from sklearn.neural_network import MLPRegressor
 
     from engine.base.helpers import median_ms
-    from engine.datasets.speckv import import_speckv
+    from engine.datasets.speckv_csv import import_speckv
     from engine.decode.acceptance import PAPER_CANDIDATES, feature_rows, tokens_from_rate
-    from engine.decode.policies.speckv import SpeckvPolicy
+    from engine.decode.policies.learned import SpeckvPolicy
     from engine.decode.records import DecodeState
     from engine.training.retrain import fit_mlp, from_speckv_steps
     from store import Store
@@ -84,6 +84,7 @@ def split_heldout(prompts: list[tuple[str, str]], n_train: int, n_eval: int) -> 
 
 
 def live(a: argparse.Namespace) -> dict:
+    from engine.base.flags import VERIFY_MODES
     from engine.datasets import prompts as P
     from engine.runtime.models import load_pair
     from engine.service import (
@@ -96,8 +97,7 @@ def live(a: argparse.Namespace) -> dict:
         sweep_table,
         trace_prompts,
     )
-    from engine.service.options import VERIFY_MODES
-    from engine.service.runs import Request, generate
+    from engine.service.generation import Request, generate
     from store import Store
 
     db = a.db or str(Path(tempfile.mkdtemp(prefix="speclab-bench-")) / "controllers.duckdb")

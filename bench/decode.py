@@ -15,13 +15,13 @@ import time
 
 import torch
 
+from engine.base.flags import add_model_args
 from engine.datasets.prompts import bench_prompts
 from engine.lab.generation import encode_prompt
 from engine.runtime.forward import sync_device
+from engine.runtime.kernels.verify import stock_kernels
 from engine.runtime.models import ModelPair, load_pair
-from engine.runtime.verify_kernels import stock_kernels
-from engine.service.options import add_model_args
-from engine.service.runs import Request, open_generation
+from engine.service.generation import Request, open_generation
 
 
 def _hf(pair: ModelPair, ids: list[int], max_new: int, assisted: bool) -> list[int]:
@@ -99,7 +99,7 @@ VERIFY_ROWS = (1, 2, 3, 4, 5, 7, 9)  # a plain step, then verify reads of γ = 1
 
 def verify_costs(pair: ModelPair, reps: int, context: int = 80) -> dict[int, dict[str, float]]:
     """Median ms of one target read of `rows` tokens after a `context`-token cache, with the
-    engine's few-row kernels (runtime/verify_kernels.py) and with torch's stock linears,
+    engine's few-row kernels (runtime/kernels/verify.py) and with torch's stock linears,
     interleaved rep by rep so both see the same machine."""
     import statistics
 

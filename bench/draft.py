@@ -66,14 +66,15 @@ from bench.draft_runners import (
     speclab_runner,
 )
 from bench.draft_tables import GAMMA, format_report, headline, setting_table, tier_table, tok_s_of, warm_stats
+from engine.base.flags import add_model_args
+from engine.base.names import EXACT_VERIFY_TIERS
 from engine.datasets.prompts import first_per_task, heldout
 from engine.decode.policies import PolicyContext
 from engine.lab.generation import encode_prompt
 from engine.oracles import available
-from engine.runtime.models import EXACT_VERIFY_TIERS, ModelPair, load_pair
-from engine.service.kernels import kernel_report
-from engine.service.options import add_model_args
-from engine.service.runs import Request, greedy_history, open_generation
+from engine.runtime.models import ModelPair, load_pair
+from engine.service.costs.kernels import kernel_report
+from engine.service.generation import Request, greedy_history, open_generation
 
 # --long: timed prompts per task (the held-out file's 10, then real prompts never trained on): a
 # 95% interval within ±3% needs ~150–180 prompts drawn task by task at this machine's spread
@@ -182,7 +183,7 @@ def setting_context(pair: ModelPair, tier: str, opts: Options, calib: tuple[str,
     from engine.decode.costs import CostTable
     from engine.lab.profiling import measure_costs
     from engine.service import calibrate_costs, cost_key, policy_context
-    from engine.service.runs import Request, generate
+    from engine.service.generation import Request, generate
     from store import Store
 
     t0 = time.perf_counter()

@@ -17,10 +17,10 @@ from engine.decode.policies import PolicyContext
 from engine.lab.generation import Generation
 from engine.oracles.suffix import prompt_key
 from engine.runtime.forward import forward_logits, sync_device
+from engine.runtime.kernels.verify import stock_kernels
 from engine.runtime.kv.cache import new_cache
 from engine.runtime.models import ModelPair
-from engine.runtime.verify_kernels import stock_kernels
-from engine.service.runs import Request, open_generation
+from engine.service.generation import Request, open_generation
 
 # HF assisted timed by default: HF's own schedule, within 2% of its best constant γ on the CPUs
 # measured (docs/benchmarks.md); --hf-assisted constant:2,constant:4,heuristic times them all
@@ -61,7 +61,8 @@ def speclab_runner(pair: ModelPair, policy: str, ctx: PolicyContext | None, hist
 def hf_assistant(pair: ModelPair) -> torch.nn.Module:
     """The draft as HF assisted generation gets it: HF's own forward (a copy without the
     row-invariant reads SpecLab's live runs need)."""
-    from engine.runtime import invariance, rowdot
+    from engine.runtime import invariance
+    from engine.runtime.kernels import rowdot
 
     if not pair.draft_row_invariant or rowdot.converted(pair.draft)[0]:
         # a row-by-row verify patch acts only inside SpecLab's verify; a draft on the kernels
@@ -74,8 +75,8 @@ def hf_assistant(pair: ModelPair) -> torch.nn.Module:
 
 
 def hf_runner(pair: ModelPair, setting: str, assistant: torch.nn.Module | None) -> Callable:
-    from engine.service.export import hf_bind, hf_generate_kwargs
-    from engine.service.tuned_config import TunedConfig
+    from engine.service.export.formats import hf_bind, hf_generate_kwargs
+    from engine.service.export.tuned_config import TunedConfig
 
     kind, _, arg = setting.removesuffix(KERNELS).partition(":")
     ours = setting == "hf_generate" or setting.endswith(KERNELS)
@@ -115,7 +116,7 @@ def reuse_check(pair: ModelPair, ctx: PolicyContext, policies: list[str], timed:
     live run has it (one prefix cache across the prompts, which share the chat template's system
     prefix; the first prompt again at the end, an exact repeat), against HF generate's outputs:
     {identical_to_hf_generate: {policy: share}, reused_tokens}."""
-    from engine.runtime.prefix_cache import PrefixCache
+    from engine.runtime.prefix.cache import PrefixCache
 
     identical, reused = {}, 0
     for policy in dict.fromkeys(policies):

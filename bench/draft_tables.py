@@ -7,8 +7,9 @@ from __future__ import annotations
 import statistics
 
 from engine.base.helpers import first_difference
+from engine.base.names import EXACT_VERIFY_TIERS
 from engine.base.stats import geomean, prompts_for, ratio_ci95
-from engine.runtime.models import EXACT_VERIFY_TIERS, ModelPair
+from engine.runtime.models import ModelPair
 
 GAMMA = 4  # τ is reported at this γ: fixed:4@<proposer> always runs
 

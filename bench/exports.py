@@ -28,11 +28,11 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
+from engine.base.flags import add_model_args
 from engine.base.helpers import one_line
 from engine.base.names import EMBEDDED, WEIGHT_TIERS
-from engine.service.export_dir import DTYPES, check_export_dir, resolve, transformers_version, write_export_dir
-from engine.service.options import add_model_args
-from engine.service.tuned_config import TunedConfig
+from engine.service.export.model_dir import DTYPES, check_export_dir, resolve, transformers_version, write_export_dir
+from engine.service.export.tuned_config import TunedConfig
 
 REPO = Path(__file__).resolve().parents[1]
 VLLM_VENV = REPO / ".venv-vllm"
@@ -87,7 +87,7 @@ def speclab_speedup(cfg: TunedConfig, tier: str, prompts: list[list[int]], max_n
     import torch
 
     from engine.runtime.models import load_pair
-    from engine.service.runs import Request, open_generation
+    from engine.service.generation import Request, open_generation
 
     target = None if cfg.target == EMBEDDED else cfg.target
     pair = load_pair(target, cfg.draft, tier, cfg.draft_tier, "cpu")
@@ -222,7 +222,7 @@ def vllm_mode(python: Path, engine_args: dict[str, Any], prompts: list[list[int]
 def vllm_exports(python: Path, export: Path, prompts: list[list[int]], max_new: int, reps: int, k: int,
                  work: Path, say: Callable[[str], None]) -> dict[str, Any]:
     """vLLM plain, with its n-gram speculation (γ = k, SpecLab's n-gram sizes) and with the export."""
-    from engine.service.export import vllm_speculative_config
+    from engine.service.export.formats import vllm_speculative_config
 
     version = vllm_version(python)
     manifest = check_export_dir(export, engine_version=version)
@@ -269,7 +269,7 @@ def store_checks(db: str, res: dict[str, Any], cfgs: dict[str, TunedConfig]) -> 
 
 def measure(cfg: TunedConfig, a: argparse.Namespace, work: Path, say: Callable[[str], None]) -> dict[str, Any]:
     from engine.runtime.models import load_tokenizer
-    from engine.service.tuned_config import speculative_tokens
+    from engine.service.export.tuned_config import speculative_tokens
 
     t0 = time.perf_counter()
     target = None if cfg.target == EMBEDDED else cfg.target
@@ -348,7 +348,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--db", default="", help="store each engine's outcome here (the Export page reads it)")
     p.add_argument("--json", action="store_true")
     a = p.parse_args(argv)
-    from engine.service.tuned_config import load_config
+    from engine.service.export.tuned_config import load_config
 
     if a.config:
         cfg = load_config(a.config)

@@ -208,7 +208,7 @@ def decode_killed(model: list[str], work: Path, max_new: int) -> Outcome:
 
 
 def retrain_killed(work: Path) -> Outcome:
-    from engine.datasets.speckv import import_speckv
+    from engine.datasets.speckv_csv import import_speckv
     from store import Store
 
     o, db = Outcome("retrain killed"), work / "retrain.duckdb"
@@ -329,7 +329,7 @@ def server_killed(model: list[str], work: Path, per_task: int = 1) -> Outcome:
     retrain fits (three sessions), then started again on the same database: what finished is
     there, nothing half-made, no controller version from the killed retrain; Start on the same
     sweep name runs only the cells left, and Train stores a version."""
-    from engine.datasets.speckv import import_speckv
+    from engine.datasets.speckv_csv import import_speckv
     from store import Store
 
     o, db = Outcome("server killed"), work / "killed.duckdb"

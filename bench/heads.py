@@ -21,6 +21,7 @@ from typing import Callable
 
 import torch
 
+from engine.base.flags import add_model_args
 from engine.base.helpers import medians_ms
 from engine.datasets.prompts import heldout
 from engine.lab.generation import encode_prompt
@@ -29,8 +30,7 @@ from engine.oracles.sampling import Sampler, draft_signals
 from engine.runtime import vocab_head
 from engine.runtime.forward import crop_to, forward_last_state, forward_logits, sync_device
 from engine.runtime.models import ModelPair, load_pair
-from engine.service.options import add_model_args
-from engine.service.runs import Request, open_generation
+from engine.service.generation import Request, open_generation
 
 SIZES = (4096, 8192, 16384, 32768, 0)  # 0: the full head
 GAMMA = 4

@@ -1,13 +1,55 @@
-"""`python -m engine bench kv`: the memory side measured in one run (engine/service/kv_measure.py
+"""`python -m engine bench kv`: the memory side measured in one run (engine/service/kv/measure.py
 says what), stored for the tuner, printed as text or JSON.
 
 Run: python bench/kv.py [--json] [--full] [--quick]   or   python -m engine bench kv …"""
 from __future__ import annotations
 
+import argparse
 import json
 import sys
 
-from engine.service.kv_measure import run
+from engine.base.flags import add_db_arg
+from engine.base.names import WEIGHT_TIERS
+from engine.service.kv.measure import KVOptions, run
+
+
+def parse(argv: list[str] | None) -> KVOptions:
+    """`bench kv`'s flags as the measurement's options; a bad value exits in one line (argparse's)."""
+    d = KVOptions()
+    p = argparse.ArgumentParser(prog="bench kv", description=__doc__.splitlines()[0])
+    p.add_argument("--target", default=None, help="HF id or local dir (default: the embedded model)")
+    p.add_argument("--draft", default=None, help="the draft for the acceptance table (default: the target's own)")
+    p.add_argument("--target-tier", default=d.target_tier, choices=WEIGHT_TIERS, help="the tier whose KV is coded")
+    p.add_argument("--device", default=None)
+    p.add_argument("--predictors", default=",".join(d.predictors), help="comma-separated: q8_0, int8, nf4")
+    p.add_argument("--context", type=int, default=None, help=f"tokens of held-out text coded (default {d.context})")
+    p.add_argument("--window", type=int, default=d.window, help="the prefetch window W")
+    p.add_argument("--windows", default=None, help="the W sweep, comma-separated (beside --window)")
+    p.add_argument("--contexts", default=None, help="the context sweep, comma-separated")
+    p.add_argument("--acceptance-tiers", default=None, help="weight tiers for the acceptance table ('' skips it)")
+    p.add_argument("--prompts-per-task", type=int, default=None, help="held-out prompts per task traced per tier pair")
+    p.add_argument("--max-new-tokens", type=int, default=d.max_new_tokens)
+    p.add_argument("--full", action="store_true", help="the long sweep: " + KVOptions.full.__doc__.split(": ", 1)[1])
+    p.add_argument("--quick", action="store_true", help="the workbench's short run: " + KVOptions.quick.__doc__.split(": ", 1)[1])
+    p.add_argument("--json", action="store_true")
+    add_db_arg(p, "DuckDB file the measurement is stored in ('' stores nothing)")
+    a = p.parse_args(argv)
+    base = KVOptions.quick if a.quick else KVOptions.full if a.full else KVOptions
+    given = dict(target=a.target, draft=a.draft, target_tier=a.target_tier, device=a.device, window=a.window,
+                 max_new_tokens=a.max_new_tokens, db=a.db)
+    try:
+        if not a.quick:  # the quick run codes one predictor
+            given["predictors"] = [k for k in a.predictors.split(",") if k]
+        for key, value, cast in (("windows", a.windows, int), ("contexts", a.contexts, int),
+                                 ("acceptance_tiers", a.acceptance_tiers, str)):
+            if value is not None:
+                given[key] = [cast(x) for x in value.split(",") if x]
+        for key in ("context", "prompts_per_task"):
+            if getattr(a, key) is not None:
+                given[key] = getattr(a, key)
+        return base(**given).check()
+    except ValueError as e:
+        p.error(str(e) if "W must" in str(e) else "--windows and --contexts take comma-separated integers")
 
 
 def report(res: dict) -> str:
@@ -42,7 +84,7 @@ def report(res: dict) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    res = run(argv)
+    res = run(parse(argv))
     print(json.dumps(res) if "--json" in (argv if argv is not None else sys.argv[1:]) else report(res))
     return 0
 

@@ -338,7 +338,7 @@ async def _sweep_end(url: str, wait_s: float = SWEEP_WAIT_S) -> dict:
 
 def check_sweep(db: Path, name: str | None) -> dict:
     """The sweep's stored runs: how many, whether each cell is stored once, how many failed."""
-    from engine.service.sweeps import cell_key
+    from engine.service.sweeps.serial import cell_key
     from store import Store
 
     if name is None:

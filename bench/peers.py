@@ -94,9 +94,9 @@ def profile(pair, db: str, a: argparse.Namespace, timed: list[list[int]], say) -
     per-proposer acceptance priors from them, as after any profiling. Returns the priors and the
     calibration's per-k factors (live ÷ measured)."""
     from engine.oracles import available
-    from engine.service.cost_tables import acceptance_priors, calibrate_costs, cost_key, cost_table, reach
-    from engine.service.sweeps import profile as sweep
-    from engine.service.sweeps import sweep_jobs, trace_prompts
+    from engine.service.costs.tables import acceptance_priors, calibrate_costs, cost_key, cost_table, reach
+    from engine.service.sweeps.serial import profile as sweep
+    from engine.service.sweeps.serial import sweep_jobs, trace_prompts
     from store import Store
 
     prompts, max_new = profiling_prompts(a.per_task, a.profile), a.max_new_tokens
@@ -116,8 +116,8 @@ def profile(pair, db: str, a: argparse.Namespace, timed: list[list[int]], say) -
 
 def speclab_methods(pair, db: str, max_new: int, names: list[str], longest: int, say) -> tuple[dict, Any]:
     """SpecLab's policies on `pair` as callables, and the cost table rakv reads (measured once)."""
-    from engine.service.cost_tables import context_for, reach
-    from engine.service.runs import Request, open_generation
+    from engine.service.costs.tables import context_for, reach
+    from engine.service.generation import Request, open_generation
 
     ctx = context_for(db, pair, "rakv", say, "native", reach(longest, max_new))
 
@@ -168,10 +168,10 @@ def export_run(fmt: str, a: argparse.Namespace, pair, plain, tok_s: dict[str, fl
     decoding, rotated per prompt: realized = export / plain, predicted = SpecLab's fixed:γ / ar."""
     import torch
 
+    from engine.runtime.embedded import cache_dir
     from engine.runtime.llamacpp import GgufDraft, stock_llama
-    from engine.runtime.models import cache_dir
-    from engine.service.export_llamacpp import write_llamacpp_export
-    from engine.service.tuned_config import TunedConfig
+    from engine.service.export.llamacpp import write_llamacpp_export
+    from engine.service.export.tuned_config import TunedConfig
 
     k = max(DRAFT_GAMMAS, key=lambda g: tok_s[f"speclab:fixed:{g}@draft"])
     out = Path(a.work) / f"export-{fmt}"
@@ -225,7 +225,7 @@ def vllm_cpu(a: argparse.Namespace, prompts: list[list[int]], work: Path, say) -
         return {"vllm_cpu_skipped": "--no-vllm"}
     try:
         python = vllm_python(Path(a.vllm_venv), False, say)
-        from engine.runtime.models import embedded_dir
+        from engine.runtime.embedded import embedded_dir
 
         plain = dict(model=str(embedded_dir()), dtype="bfloat16", max_model_len=2048, seed=0)
         ngram = dict(plain, speculative_config=dict(method="ngram", num_speculative_tokens=LOOKUP_TOKENS,
@@ -299,7 +299,7 @@ def report(res: dict[str, Any]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from engine.service.options import add_model_args
+    from engine.base.flags import add_model_args
 
     p = argparse.ArgumentParser(prog="bench peers", description=__doc__.splitlines()[0])
     add_model_args(p)

@@ -23,7 +23,7 @@ import statistics
 import sys
 import time
 
-from engine.service.options import add_model_args
+from engine.base.flags import add_model_args
 
 CONFIGS = {"no reuse": ("ar", False), "reuse-only": ("reuse-only", True), "joint:4": ("joint:4", True),
            "rakv": ("rakv", True)}
@@ -80,7 +80,7 @@ def calibrated(pair, st, prompts: list[str], max_new: int, draft_prompts: int = 
     them: an n-gram lookup drafts only where the text repeats (~11 steps in 32 tokens of chat)."""
     from engine.oracles import available
     from engine.service import calibrate_costs, cost_key, policy_context
-    from engine.service.runs import Request, generate
+    from engine.service.generation import Request, generate
 
     # Each other proposer drafts too, so that rakv's prior for it is its measured acceptance (as
     # `bench draft` calibrates): without one a weak EAGLE head starts every request at α0 = 0.6.
@@ -95,7 +95,7 @@ def calibrated(pair, st, prompts: list[str], max_new: int, draft_prompts: int = 
 def request(pair, ids: list[int], spec: str, reuse: bool, cache, ctx, max_new: int) -> dict:
     """One request under one configuration, timed whole: storing its state counts too."""
     from engine.runtime.forward import sync_device
-    from engine.service.runs import Request, open_generation
+    from engine.service.generation import Request, open_generation
 
     gc.collect()  # the previous request's garbage is not this one's to collect
     t0 = time.perf_counter()
@@ -134,7 +134,7 @@ def measure(pair, loads: dict[str, list[list[dict]]], ctx, max_new: int, budget:
     With several rounds (fresh caches each), a request's time is its median over the rounds;
     a configuration over RACE_MARGIN × the best after the first round sits the rest out."""
     from engine.lab.generation import encode_messages
-    from engine.runtime.prefix_cache import PrefixCache
+    from engine.runtime.prefix.cache import PrefixCache
 
     names, results = list(CONFIGS), {}
     for wl, convs in loads.items():

@@ -28,10 +28,10 @@ from typing import Callable
 import torch
 
 from bench import heads
+from engine.base.flags import add_model_args
 from engine.base.helpers import medians_ms
 from engine.runtime import draft_model as draftlib
 from engine.runtime.models import EMBEDDED_LABEL, ModelPair, load_model, load_pair, resolve_device
-from engine.service.options import add_model_args
 
 SHIPPED = "shipped"
 INT4_GROUP = 32  # torch's CPU int4 kernel takes groups of 32, 64, 128… along the input; 32 is the finest

@@ -1,13 +1,13 @@
 """A profiling sweep serially and on a local Ray cluster: the same cells, two fresh databases.
 
     serial     `service.profile` in this process (one torch thread, as a worker has), the pair loaded once
-    ray        engine/service/cluster_sweep.py on a local cluster of 2 CPUs, one worker per CPU (one thread
+    ray        engine/service/sweeps/cluster_sweep.py on a local cluster of 2 CPUs, one worker per CPU (one thread
                each), every cell stored by this process as it comes back
 
 Prints the wall time of each (with what starting costs apart), the overhead per cell (a worker's
 time per cell beyond the run itself: dispatch, Arrow transfer, waiting for the driver), the
 driver's DuckDB write time per cell (the single writer's ceiling in cells/s), and whether the
-stored records are identical (engine/service/cluster_sweep.py `records`: token ids, steps, acceptance; the wall
+stored records are identical (engine/service/sweeps/cluster_sweep.py `records`: token ids, steps, acceptance; the wall
 clock aside). docs/scale.md reads these figures.
 
 Run: python bench/sweep.py [--tiny] [--json]   or   python -m engine bench sweep [--tiny] [--json]"""
@@ -20,12 +20,12 @@ import tempfile
 import time
 from pathlib import Path
 
+from engine.base.flags import add_model_args, exact_verify
 from engine.base.helpers import csv_list
 from engine.service import profile, prompt_set
-from engine.service.cluster import ClusterSpec, PairSpec, differences, records
-from engine.service.cluster_sweep import profile_on_ray
-from engine.service.options import add_model_args, exact_verify
-from engine.service.sweeps import sweep_jobs
+from engine.service.sweeps.cluster import ClusterSpec, PairSpec, differences, records
+from engine.service.sweeps.cluster_sweep import profile_on_ray
+from engine.service.sweeps.serial import sweep_jobs
 from store import Store
 
 

@@ -32,7 +32,7 @@ def _errors(at: AppTest) -> list[str]:
 
 
 def press_generate(at: AppTest, timeout: float = 60) -> AppTest:
-    """Generate on the Live page, then, once its run (a thread of its own: engine/service/live_runs.py)
+    """Generate on the Live page, then, once its run (a thread of its own: engine/service/session.py)
     has ended, the page run again, as its poll would: the result is drawn."""
     at.button(key="live_generate").click().run(timeout=timeout)
     run = at.session_state["live_run"] if "live_run" in at.session_state else None

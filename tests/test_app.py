@@ -77,7 +77,7 @@ def test_generate_streams_summarises_and_stores(app_env):
 
 
 def test_cost_aware_policies_run_live_and_say_what_they_miss(app_env):
-    from engine.service.cost_jobs import MEASURER
+    from engine.service.costs.jobs import MEASURER
 
     at = _app()
     at.text_input(key="live_policy_spec").set_value("rakv")  # a fresh database: no cost table yet
@@ -174,7 +174,7 @@ def test_engine_errors_are_one_line(app_env, monkeypatch):
 
 def test_replay_page_shows_policies_side_by_side_and_retrains(app_env, tiny_pair, monkeypatch):
     import engine.training.retrain as T
-    from engine.service.runs import Request, generate
+    from engine.service.generation import Request, generate
 
     # The compare → activate flow, whatever the tiny random pair's controller scores (the verdict
     # that holds a worse version back has its own tests: tests/test_app_retrain.py).

@@ -6,7 +6,7 @@ import json
 import yaml
 
 from apptest import _app, _errors  # noqa: F401 - the fixture app_env comes from conftest
-from engine.service.tuned_config import TunedConfig, from_dict
+from engine.service.export.tuned_config import TunedConfig, from_dict
 from store import Store
 
 
@@ -66,7 +66,7 @@ def test_bad_input_is_one_error_line(app_env):
 
 
 def test_the_form_starts_from_the_latest_run(app_env):
-    from engine.service.tuned_config import from_run
+    from engine.service.export.tuned_config import from_run
 
     run = {"run_id": "r1", "target_tier": "bf16", "kv_tier": "int8", "policy": "fixed:2", "temperature": 0.0,
            "top_p": 1.0, "max_new_tokens": 33, "config": json.dumps({"draft_tier": "fp32", "reuse": False})}
@@ -111,7 +111,7 @@ def test_each_engine_says_whether_this_export_ran_there_and_what_it_gave(app_env
 
 
 def test_write_directory_writes_a_checked_export(app_env, tmp_path):
-    from engine.service.export_dir import check_export_dir, summary
+    from engine.service.export.model_dir import check_export_dir, summary
 
     at = _export_page()
     at.text_input(key="export_policy").set_value("fixed:3").run()

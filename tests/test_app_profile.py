@@ -7,7 +7,7 @@ from streamlit.testing.v1 import AppTest
 
 from apptest import APP, _errors  # noqa: F401 - the fixture app_env comes from conftest
 from engine.lab.decode_lock import decode_slot
-from engine.service.jobs import RUNNER
+from engine.service.sweeps.jobs import RUNNER
 from store import Store
 
 
@@ -80,7 +80,7 @@ def test_a_second_start_while_one_runs_is_one_line(app_env):
 
 
 def test_the_page_shows_this_machines_verify_kernels(app_env):
-    from engine.runtime.kernel_probe import ROWS, cpu_name
+    from engine.runtime.kernels.probe import ROWS, cpu_name
 
     at = _page()
     at.toggle(key="profile_kernels").set_value(True).run()

@@ -22,7 +22,7 @@ def test_no_database_is_an_empty_state(app_env):
 
 
 def test_stored_runs_are_filtered_plotted_and_downloadable(app_env, tiny_pair):
-    from engine.service.runs import Request, generate
+    from engine.service.generation import Request, generate
 
     with Store(app_env) as s:
         for task, prompt in [("code", "def f(x):"), ("chat", "Hi there")]:

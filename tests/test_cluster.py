@@ -1,4 +1,4 @@
-"""Profiling sweeps on a local Ray cluster (engine/service/cluster.py, cluster_sweep.py) over the tiny pair: the same stored
+"""Profiling sweeps on a local Ray cluster (engine/service/sweeps/cluster.py, cluster_sweep.py) over the tiny pair: the same stored
 records as the serial sweep, a killed worker loses no cell, a bad cell is stored as failed and
 the sweep goes on, a rerun adds nothing twice, bad input is one line and changes nothing stored.
 One local cluster (2 CPUs) serves the whole module."""
@@ -12,8 +12,9 @@ import ray
 import torch
 
 from engine.lab.profiling import measure_costs
-from engine.service import cluster, cluster_sweep, profile, sweep_table
-from engine.service.sweeps import sweep_jobs
+from engine.service import profile, sweep_table
+from engine.service.sweeps import cluster, cluster_sweep
+from engine.service.sweeps.serial import sweep_jobs
 from store import Store
 
 PROMPTS = [("chat", "Hi there"), ("code", "def f(x):"), ("math", "2+2=")]
@@ -162,7 +163,7 @@ def test_the_profile_page_runs_a_sweep_on_the_cluster(local_cluster, app_env):
     from streamlit.testing.v1 import AppTest
 
     from apptest import APP, _errors
-    from engine.service.jobs import RUNNER
+    from engine.service.sweeps.jobs import RUNNER
 
     at = AppTest.from_file(str(APP), default_timeout=120).switch_page("views/profile.py").run()
     at.text_input(key="profile_name").set_value("ui-ray")

@@ -1,4 +1,4 @@
-"""engine/lab/side_by_side.py (policies side by side) and engine/service/runs_view.py (the Runs page's shaping)."""
+"""engine/lab/side_by_side.py (policies side by side) and views/runs_data.py (the Runs page's shaping)."""
 from __future__ import annotations
 
 import datetime as dt
@@ -10,8 +10,8 @@ import pyarrow.parquet as pq
 import pytest
 
 from engine.lab import side_by_side as C
-from engine.service import runs_view as V
-from engine.service.runs import Request, run_policies
+from engine.service.generation import Request, run_policies
+from views import runs_data as V
 
 
 # -- compare: inputs and differences ---------------------------------------------------------------
@@ -163,7 +163,7 @@ def test_a_bad_policy_fails_before_any_decode(tiny_pair):
     assert not seen
 
 
-# -- runs_view ---------------------------------------------------------------------------------------------
+# -- runs_data ---------------------------------------------------------------------------------------------
 def _runs() -> pd.DataFrame:
     day = dt.datetime(2024, 1, 1, 12)
     rows = []

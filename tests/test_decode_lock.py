@@ -149,7 +149,7 @@ def test_closing_a_stepped_decode_closes_its_steps():
 
 
 def test_a_running_decode_gives_way_between_turns_within_its_credit(monkeypatch):
-    from engine.runtime import threads
+    from engine.runtime.kernels import threads
 
     asked: list[float] = []
 

@@ -11,7 +11,7 @@ from engine.oracles.sampling import Sampler
 from engine.oracles.target import TargetVerifier
 from engine.runtime import eagle_head as eaglelib
 from engine.runtime.models import load_pair
-from engine.runtime.prefix_cache import PrefixCache
+from engine.runtime.prefix.cache import PrefixCache
 from engine.training.eagle_distill import EagleDistillConfig, FeatureShard, _batch, featurize, step_loss
 
 PROMPTS = ["Hello there", "def f(x): return", "2+2=", "Tell me a story about a cat."]

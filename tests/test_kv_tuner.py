@@ -1,4 +1,4 @@
-"""The joint KV tuner (engine/service/kv_tuner.py), `python -m engine tune` and the KV & prefetch page, on a
+"""The joint KV tuner (engine/service/kv/tuner.py), `python -m engine tune` and the KV & prefetch page, on a
 synthetic `bench kv` measurement: no model, no benchmark, seconds."""
 from __future__ import annotations
 
@@ -14,9 +14,10 @@ from streamlit.testing.v1 import AppTest
 
 from engine.base.names import KV_TIERS
 from engine.runtime.kv.pipeline import pipelined_seconds
-from engine.service import kv_figures as F
-from engine.service import kv_seed as S
-from engine.service import kv_tuner as T
+from engine.service.kv import figures as F
+from engine.service.kv import preset as S
+from engine.service.kv import tuner as T
+from engine.service.kv.measure import KVOptions
 from store import Store
 
 APP = Path(__file__).resolve().parents[1] / "app.py"
@@ -42,7 +43,7 @@ def _acc(target_tier: str, kv: str, acceptance: float, tps: dict) -> dict:
 
 
 def synthetic(mu: float = MU, dec: float = DEC) -> dict:
-    """A `bench kv` result as service/kv_measure.py stores it (the shape in issue 12), its figures made up."""
+    """A `bench kv` result as service/kv/measure.py stores it (the shape in issue 12), its figures made up."""
     restore = []
     for b in (0.1, 0.3, 1, 3, 10, 30, 100):
         row = dict(gbit_s=b)
@@ -351,8 +352,8 @@ def test_cli_tune_without_a_database_file(tmp_path, capsys):
     assert "no KV measurements for SmolLM2-135M-Instruct yet" in capsys.readouterr().err and not missing.exists()
 
 
-# -- measure_kv: engine/service/kv_measure.py imported lazily -----------------------------------------
-MEASURE = "engine.service.kv_measure"
+# -- measure_kv: engine/service/kv/measure.py imported lazily -----------------------------------------
+MEASURE = "engine.service.kv.measure"
 
 
 def test_measure_kv_calls_the_measurement_and_reports_an_import_failure(tmp_path, monkeypatch):
@@ -361,32 +362,32 @@ def test_measure_kv_calls_the_measurement_and_reports_an_import_failure(tmp_path
     monkeypatch.setitem(sys.modules, MEASURE, None)  # an import that fails
     with pytest.raises(ValueError) as e:
         measure_kv(str(tmp_path / "kv.duckdb"))
-    assert str(e.value).startswith("cannot load the KV benchmark (engine/service/kv_measure.py): ")
+    assert str(e.value).startswith("cannot load the KV benchmark (engine/service/kv/measure.py): ")
     assert "\n" not in str(e.value)
 
     calls = []
     monkeypatch.setitem(sys.modules, MEASURE, _fake_measure(calls))
     db = str(tmp_path / "kv.duckdb")
     assert measure_kv(db) == 0
-    assert calls == [["--db", db, "--quick"]]
+    assert calls == [KVOptions.quick(db=db)] and calls[0].acceptance_tiers == []
     row, notes = latest_kv_measurement(db, None)
     assert row["result"]["window"] == 512 and notes == []
     monkeypatch.setitem(sys.modules, MEASURE, types.ModuleType(MEASURE))
-    with pytest.raises(ValueError, match=r"cannot load the KV benchmark .*cannot import name 'run'"):
+    with pytest.raises(ValueError, match=r"cannot load the KV benchmark .*cannot import name '(KVOptions|run)'"):
         measure_kv(db)
 
 
 def _fake_measure(calls: list) -> types.ModuleType:
-    """A stand-in for kv_measure: stores the synthetic measurement where --db says."""
+    """A stand-in for kv/measure.py: stores the synthetic measurement where the options' db says."""
     mod = types.ModuleType(MEASURE)
 
-    def run(argv: list[str]) -> int:
-        calls.append(list(argv))
-        with Store(argv[argv.index("--db") + 1]) as st:
+    def run(opts: KVOptions) -> int:
+        calls.append(opts)
+        with Store(opts.db) as st:
             _store(st, synthetic())
         return 0
 
-    mod.run = run
+    mod.run, mod.KVOptions = run, KVOptions
     return mod
 
 
@@ -450,13 +451,13 @@ def test_page_on_a_fresh_database_shows_the_controls_and_the_seed_preset_beside_
     monkeypatch.setitem(sys.modules, MEASURE, _fake_measure(calls))
     at.button(key="kv_measure").click().run()
     assert not at.exception and not _errors(at), _errors(at)
-    assert calls == [["--db", str(page_env), "--quick"]]
+    assert calls == [KVOptions.quick(db=str(page_env))]
     assert not at.info and not at.button and len(at.dataframe) == 3  # measured: the page now shows it
 
 
 def test_the_spinner_promises_only_what_the_quick_run_measures():
-    from engine.service.kv_actions import MEASURE_KV_WHAT
-    from engine.service.kv_measure import parse
+    from bench.kv import parse
+    from engine.service.kv.actions import MEASURE_KV_WHAT
 
     quick = parse(["--quick", "--db", ""])
     assert quick.acceptance_tiers == [] and quick.target_tier == "bf16"
@@ -554,7 +555,7 @@ def test_code_once_times_the_encode_without_its_own_predictor(monkeypatch):
     import time
 
     import engine.runtime.kv.offload as O
-    from engine.service import kv_measure
+    from engine.service.kv import measure as kv_measure
 
     raw = 1_000_000
 

@@ -117,7 +117,7 @@ def monkeypatch_module():
 def _target_stored(pair, ids: list[int], tier: str) -> O.KV:
     from engine.runtime.forward import forward_logits
     from engine.runtime.kv.cache import new_cache
-    from engine.runtime.prefix_cache import kv_of
+    from engine.runtime.prefix.cache import kv_of
 
     with torch.inference_mode():
         _, cache = forward_logits(pair.target, ids, new_cache(pair.target, tier), 1)

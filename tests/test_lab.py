@@ -210,10 +210,10 @@ def test_a_table_measured_in_turns_takes_the_slot_per_bucket(tiny_pair, monkeypa
 
 
 def test_a_live_run_opens_outside_the_slot_unless_a_probe_runs_the_models(tiny_pair, tmp_path):
-    """service.cost_tables.would_probe: a policy that weighs no costs, or one whose table is
+    """service.costs.tables.would_probe: a policy that weighs no costs, or one whose table is
     stored, opens without the decode slot (its first turn is its prefill); one that would probe
     a missing table opens inside it."""
-    from engine.service.cost_tables import cost_table, would_probe
+    from engine.service.costs.tables import cost_table, would_probe
     from store import Store
 
     db = str(tmp_path / "x.duckdb")
@@ -336,7 +336,7 @@ def test_a_probe_prices_every_proposer_in_seconds_and_is_never_stored(tiny_pair)
 
 def test_a_cost_table_names_its_kernels_and_one_measured_under_others_is_not_read(tiny_dirs, tiny_pair, monkeypatch):
     from engine.runtime.models import load_pair
-    from engine.service.cost_tables import cost_key, cost_table, stored_costs
+    from engine.service.costs.tables import cost_key, cost_table, stored_costs
     from store import Store
 
     table = measure_costs(tiny_pair, buckets=(8,), reps=2)
@@ -609,7 +609,7 @@ def test_traces_at_two_kv_tiers_differ_and_group_apart(traced, traced_fp8):
 
 
 def test_sweep_jobs_and_their_resume_key_carry_the_kv_tier():
-    from engine.service.sweeps import Job, pending, sweep_jobs
+    from engine.service.sweeps.serial import Job, pending, sweep_jobs
 
     jobs = sweep_jobs([("chat", "a"), ("code", "b")], ["fp32", "bf16"], ["ar", "fixed:2"], ["native", "fp8"])
     assert len(jobs) == 16 and jobs[0] == Job("fp32", "chat", "a", "ar", "native")
@@ -639,8 +639,9 @@ def test_controllers_read_the_kv_tier_and_old_ones_keep_predicting(traced, trace
     with the paper's six (meta lists its features) loads and predicts as before at any KV tier."""
     import pandas as pd
 
-    from engine.decode.acceptance import FEATURES, FEATURES_KV, KV_CODES, Predictor, feature_rows
-    from engine.decode.policies.speckv import SpeckvPolicy
+    from engine.base.names import KV_TIER_CODES as KV_CODES
+    from engine.decode.acceptance import FEATURES, FEATURES_KV, Predictor, feature_rows
+    from engine.decode.policies.learned import SpeckvPolicy
     from engine.decode.records import DecodeState
     from engine.runtime.kv.tiers import KV_TIERS
     from engine.service import controller_loader

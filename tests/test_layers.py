@@ -204,6 +204,25 @@ def test_every_folder_says_what_lives_there_and_what_it_may_import():
         assert doc and "import" in doc, f"{init.relative_to(ROOT)} needs a docstring naming what it may import"
 
 
+# The service layer's top level holds the actions a newcomer looks for first; families are folders.
+SERVICE_TOP_MAX, FOLDER_MAX = 6, 12
+
+
+def oversized_folders(root: Path) -> list[str]:
+    """engine/ folders over FOLDER_MAX modules, and engine/service/ over SERVICE_TOP_MAX at its top."""
+    bad = []
+    for folder in sorted(p.parent for p in (root / "engine").rglob("__init__.py")):
+        n = sum(1 for f in folder.glob("*.py") if f.name != "__init__.py")
+        limit = SERVICE_TOP_MAX if folder == root / "engine" / "service" else FOLDER_MAX
+        if n > limit:
+            bad.append(f"{folder.relative_to(root)}: {n} modules (at most {limit})")
+    return bad
+
+
+def test_no_folder_is_a_flat_room():
+    assert oversized_folders(ROOT) == []
+
+
 def test_no_pages_folder():
     """Streamlit 1.67 runs a server's first script run in its old directory mode whenever a `pages/`
     folder sits beside the entry script (every file listed as a page): the pages live in views/."""
@@ -255,14 +274,20 @@ def test_a_page_reaching_past_the_service_is_found(tree):
     _append(tree / "views" / "live.py", "def _planted():\n    from engine.runtime import forward  # noqa")
     _append(tree / "app.py", "from engine.lab import decode_lock  # noqa")
     _append(tree / "views" / "kv.py", "from engine.base import names  # noqa")  # allowed: the shared names
-    _append(tree / "views" / "kv.py", "from engine.service import kv_actions  # noqa")  # and the door
+    _append(tree / "views" / "kv.py", "from engine.service.kv import actions  # noqa")  # and the door
     found = past_the_door(graph(tree))
     assert {"app → engine.lab.decode_lock", "views.live → engine.runtime.forward"} <= set(found)
     assert all(b.startswith(("app → engine.lab", "views.live → engine.runtime")) for b in found), found
 
 
+def test_a_flat_folder_is_found(tree):
+    for i in range(SERVICE_TOP_MAX - len(list((tree / "engine" / "service").glob("*.py"))) + 2):
+        (tree / "engine" / "service" / f"planted_{i}.py").write_text('"""planted"""\n')
+    assert [b.split(":")[0] for b in oversized_folders(tree)] == ["engine/service"]
+
+
 def test_a_planted_import_module_of_bench_is_found(tree):
-    _append(tree / "engine" / "service" / "kv_actions.py",
+    _append(tree / "engine" / "service" / "kv" / "actions.py",
             "def _planted():\n    import importlib\n    return importlib.import_module('bench.kv')")
     _append(tree / "views" / "kv.py", "def _also():\n    return __import__('bench.kv')")
-    assert sorted(b.split(":")[0] for b in dynamic_imports(tree)) == ["engine.service.kv_actions", "views.kv"]
+    assert sorted(b.split(":")[0] for b in dynamic_imports(tree)) == ["engine.service.kv.actions", "views.kv"]

@@ -1,4 +1,4 @@
-"""The Live page's decode on a thread of its own (engine/service/live_runs.py): Stop is heard
+"""The Live page's decode on a thread of its own (engine/service/session.py): Stop is heard
 between two steps and the run is stored as stopped; a bad request fails before any thread starts.
 The page's Stop button itself is pressed in a real browser (tests/test_browser.py)."""
 import json
@@ -6,8 +6,8 @@ import time
 
 import pytest
 
-from engine.service.live_runs import start_live
-from engine.service.runs import Request
+from engine.service.generation import Request
+from engine.service.session import start_live
 from store import Store
 
 
@@ -55,8 +55,8 @@ def test_live_runs_pressed_together_take_turns_and_match_their_solo_runs(tiny_pa
     """Three sessions' decodes at once advance a step each in turn (engine/lab/decode_lock.stepped):
     each makes exactly what it makes alone, greedy and sampled, at any KV tier; each is stored
     once with its waits; and its wall time is its own (the turns it waited are not in it)."""
-    from engine.runtime.prefix_cache import PrefixCache
-    from engine.service.runs import generate
+    from engine.runtime.prefix.cache import PrefixCache
+    from engine.service.generation import generate
 
     reqs = [Request("Write a haiku about the sea.", "fixed:3", max_new_tokens=24, seed=1),
             Request("List three prime numbers.", "ar", max_new_tokens=24, kv_tier="int8", seed=2),
@@ -86,8 +86,8 @@ def test_turns_paused_at_every_layer_for_openings_make_what_they_make_alone(tiny
     makes alone; the pauses count as waits, never as a run's own wall time."""
     from engine.lab import decode_lock
     from engine.runtime import preempt
-    from engine.runtime.prefix_cache import PrefixCache
-    from engine.service.runs import generate
+    from engine.runtime.prefix.cache import PrefixCache
+    from engine.service.generation import generate
 
     reqs = [Request("Write a haiku about the sea.", "fixed:3", max_new_tokens=16, seed=1),
             Request("List three prime numbers.", "ar", max_new_tokens=16, kv_tier="int8", seed=2),

@@ -129,7 +129,7 @@ def test_kv_tiers_are_llama_cpps_cache_types(pair):
 def test_its_runs_store_the_engine_and_replay(pair):
     from engine.lab.profiling import trace
     from engine.lab.whatif import replay
-    from engine.service.runs import Request, keep, open_generation
+    from engine.service.generation import Request, keep, open_generation
     from store import Store
 
     with Store(":memory:") as st:
@@ -184,9 +184,9 @@ def test_a_gguf_that_is_not_llama_family_is_refused(tmp_path):
 
 def test_a_truncated_gguf_is_refused(tmp_path):
     from engine.base.names import EMBEDDED_GGUF
-    from engine.runtime.models import _gguf_dir
+    from engine.runtime.embedded import gguf_dir
 
-    src = _gguf_dir() / EMBEDDED_GGUF
+    src = gguf_dir() / EMBEDDED_GGUF
     cut = tmp_path / "cut.gguf"
     with open(src, "rb") as f:
         cut.write_bytes(f.read(src.stat().st_size // 2))
@@ -287,8 +287,8 @@ def test_the_llamacpp_export_loads_and_runs_in_llama_cpp(pair, stock, tmp_path):
     tensor layout would agree almost never), and drives llama.cpp's speculative path."""
     import numpy as np
 
-    from engine.service.export_llamacpp import pinned_flags, write_llamacpp_export
-    from engine.service.tuned_config import TunedConfig
+    from engine.service.export.llamacpp import pinned_flags, write_llamacpp_export
+    from engine.service.export.tuned_config import TunedConfig
 
     manifest = write_llamacpp_export(TunedConfig(engine="llamacpp", policy="fixed:3@draft"), tmp_path / "x", "test")
     args = manifest["server_args"]
@@ -305,9 +305,9 @@ def test_the_llamacpp_export_loads_and_runs_in_llama_cpp(pair, stock, tmp_path):
 
 
 def test_llamacpp_export_flags_are_the_pinned_builds():
-    from engine.service.export import render
-    from engine.service.export_llamacpp import check_flags
-    from engine.service.tuned_config import TunedConfig
+    from engine.service.export.formats import render
+    from engine.service.export.llamacpp import check_flags
+    from engine.service.export.tuned_config import TunedConfig
 
     text = json.loads(render(TunedConfig(engine="llamacpp", policy="fixed:4@ngram:max=2"), "llamacpp"))
     assert text["settings"] == {"type": "ngram-simple", "size_n": 2, "size_m": 4, "min_hits": 1}
@@ -323,8 +323,8 @@ def test_llamacpp_export_flags_are_the_pinned_builds():
 
 
 def test_tiers_and_configs_follow_the_engine():
-    from engine.service.sweeps import parse_kv_tiers, parse_tiers
-    from engine.service.tuned_config import TunedConfig, from_run
+    from engine.service.export.tuned_config import TunedConfig, from_run
+    from engine.service.sweeps.serial import parse_kv_tiers, parse_tiers
 
     assert parse_tiers(None) == ["fp32"] and parse_tiers(None, "llamacpp") == ["q4_1"]
     assert parse_tiers("f32,q8_0", "llamacpp") == ["f32", "q8_0"] and parse_tiers("q4_1,fp32", None) == ["q4_1", "fp32"]
@@ -342,7 +342,7 @@ def test_the_export_and_profile_pages_follow_the_engine(tmp_path, monkeypatch):
     """On the llama.cpp engine the Export page renders llama-server's arguments and writes the draft
     GGUF; the Profile page offers its formats and KV types, and its sweep runs on llama.cpp."""
     from apptest import _app, _errors
-    from engine.service.jobs import RUNNER
+    from engine.service.sweeps.jobs import RUNNER
     from store import Store
 
     db = tmp_path / "ui.duckdb"

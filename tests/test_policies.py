@@ -128,7 +128,7 @@ def test_rakv_takes_the_measured_acceptance_as_its_prior():
 def test_probes_back_off_when_they_do_not_pay():
     from dataclasses import replace
 
-    from engine.decode.policies.base import PROBE_AFTER, PROBE_MAX, probe_due
+    from engine.decode.policies.payoff import PROBE_AFTER, PROBE_MAX, probe_due
 
     costs = _costs()  # a step drafting k costs 10 + 1.5·k ms: plain decoding, 10 ms a token
     due = lambda hist: probe_due(_state(hist), costs)  # noqa: E731
@@ -176,7 +176,7 @@ def test_speckv_counts_the_predicted_rate_of_each_draft_length():
     import numpy as np
 
     from engine.decode.acceptance import Predictor
-    from engine.decode.policies.speckv import SpeckvPolicy
+    from engine.decode.policies.learned import SpeckvPolicy
 
     rate = 0.5
     flat = Predictor("mlp", {"w0": np.zeros((6, 1)), "b0": np.array([rate])}, meta={"signal_defaults": [0.5, 0.9, 0.5, 0.9]})
@@ -201,7 +201,7 @@ def test_speckv_weighs_the_drafts_measured_acceptance_beside_its_predictor():
     import numpy as np
 
     from engine.decode.acceptance import Predictor
-    from engine.decode.policies.speckv import SpeckvPolicy
+    from engine.decode.policies.learned import SpeckvPolicy
 
     gloomy = Predictor("mlp", {"w0": np.zeros((6, 1)), "b0": np.array([0.05])}, meta={"signal_defaults": [0.5, 0.9, 0.5, 0.9]})
     pol = SpeckvPolicy(gloomy, _costs())  # a k-step costs 10 + 1.5·k ms
@@ -216,7 +216,7 @@ def test_speckv_scales_its_predictor_by_what_this_generation_accepted():
     import numpy as np
 
     from engine.decode.acceptance import Predictor
-    from engine.decode.policies.speckv import FEEDBACK_PRIOR, SpeckvPolicy
+    from engine.decode.policies.learned import FEEDBACK_PRIOR, SpeckvPolicy
     from engine.decode.records import AcceptanceEWMA
 
     rate = 0.5
@@ -405,7 +405,7 @@ def test_a_restricted_spec_never_drafts_with_another_proposer():
 def test_each_proposer_waits_for_its_own_probe():
     from dataclasses import replace
 
-    from engine.decode.policies.base import probe_due
+    from engine.decode.policies.payoff import probe_due
 
     costs = _ProposerCosts(draft=30.0)
     plain, dud, spec = _rec(0, 0, 0), _by("ngram", 1, 1, 0), _by("draft", 4, 4, 3)
@@ -456,7 +456,7 @@ def test_speckv_weighs_the_other_proposers_by_their_acceptance():
     import numpy as np
 
     from engine.decode.acceptance import Predictor
-    from engine.decode.policies.speckv import SpeckvPolicy
+    from engine.decode.policies.learned import SpeckvPolicy
 
     flat = Predictor("mlp", {"w0": np.zeros((6, 1)), "b0": np.array([0.3])}, meta={"signal_defaults": [0.5, 0.9, 0.5, 0.9]})
     pol = SpeckvPolicy(flat, _ProposerCosts(draft=3.0))  # the draft's drafts: 30% accepted, 6 ms a token

@@ -7,8 +7,8 @@ import torch
 
 from engine.decode.policies import POLICY_EXAMPLES, make_policy
 from engine.lab.generation import GenConfig, Generation, encode_messages, encode_prompt
-from engine.runtime import prefix_cache as pc
-from engine.runtime.prefix_cache import Entry, PrefixCache
+from engine.runtime.prefix import cache as pc
+from engine.runtime.prefix.cache import Entry, PrefixCache
 from tiny import synthetic_context
 
 KEY = ("target", "fp32", "draft", "fp32", "cpu", False)
@@ -247,10 +247,10 @@ def test_the_workbench_cache_spills_to_a_folder_of_its_own():
     assert not folder.exists()  # the temporary folder goes with the cache
 
 
-# ---- the disk tier: entries across processes (engine/runtime/prefix_disk.py) ------------------------
+# ---- the disk tier: entries across processes (engine/runtime/prefix/disk.py) ------------------------
 
 def _disk(folder, budget=1 << 30, identity="", warn=None):
-    from engine.runtime.prefix_disk import PrefixDisk
+    from engine.runtime.prefix.disk import PrefixDisk
 
     return PrefixDisk(folder, budget, identity, warn=warn if warn is not None else (lambda m: None))
 
@@ -315,7 +315,7 @@ def test_a_later_process_takes_the_prefix_from_disk_bit_for_bit(tiny_pair, tmp_p
     """Each PrefixCache stands for one CLI process: its memory starts empty, the folder is shared.
     The entry read back is the one stored, bit for bit (target KV in the tier's stored form,
     logits, draft KV), and greedy output with it equals output without reuse."""
-    from engine.runtime.prefix_disk import PrefixDisk, pair_identity
+    from engine.runtime.prefix.disk import PrefixDisk, pair_identity
 
     tok = tiny_pair.tokenizer
     system = {"role": "system", "content": "You answer briefly. " * 6}

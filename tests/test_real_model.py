@@ -73,7 +73,7 @@ def test_prefix_reuse_keeps_greedy_output_for_every_policy(pair):
     among them or decide about reuse (the live run's draft state is also what a trace would have:
     replay stays exact)."""
     from engine.lab.generation import encode_messages
-    from engine.runtime.prefix_cache import PrefixCache
+    from engine.runtime.prefix.cache import PrefixCache
 
     system = {"role": "system", "content": " ".join(p for _, p in bench_prompts(1))}  # 89 tokens
     q1 = [system, {"role": "user", "content": "Write a haiku about caches."}]

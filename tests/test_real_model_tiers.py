@@ -28,7 +28,7 @@ def quant_pair(request):  # bitsandbytes' layers (int8 on a CPU reads through Sp
 
 @pytest.fixture(scope="module", params=["int8", "int4"])
 def kernel_pair(request):
-    from engine.runtime import rowdot
+    from engine.runtime.kernels import rowdot
 
     if (why := rowdot.unavailable()) is not None:
         pytest.skip(why)
@@ -36,9 +36,9 @@ def kernel_pair(request):
 
 
 def test_cpu_kernel_tiers_decode_as_hf_generate_token_for_token(kernel_pair):
-    """int8 and int4 on a CPU (runtime/rowdot.py): every policy's greedy output is HF generate's
+    """int8 and int4 on a CPU (runtime/kernels/rowdot.py): every policy's greedy output is HF generate's
     over the same model, prefix reuse off and on, with no near tie excused."""
-    from engine.runtime.prefix_cache import PrefixCache
+    from engine.runtime.prefix.cache import PrefixCache
 
     pair = kernel_pair
     assert pair.exact_verify and pair.kernel_set.startswith(f"rowdot-{pair.target_tier}-")
@@ -126,7 +126,7 @@ def test_kv_codec_round_trips_real_kv_and_a_paused_generation_resumes_exactly(pa
     from engine.runtime.kv.cache import new_cache
     from engine.runtime.kv.calibration import codec_kit, conversation_ids
     from engine.runtime.kv.tiers import KV_TIERS
-    from engine.runtime.prefix_cache import kv_of
+    from engine.runtime.prefix.cache import kv_of
 
     if pair.target_tier != "bf16":
         pytest.skip("the codec check runs on the bf16 target")

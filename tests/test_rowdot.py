@@ -1,4 +1,4 @@
-"""The row-invariant kernels (engine/runtime/rowdot.py): every row of a read rounds as that row
+"""The row-invariant kernels (engine/runtime/kernels/rowdot.py): every row of a read rounds as that row
 read alone, at every weight format and for attention, over random shapes; a target on them
 decodes speculatively exactly as it decodes plainly, at every CPU tier; and where they cannot
 run, one line says why."""
@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from engine.runtime import rowdot
+from engine.runtime.kernels import rowdot
 
 pytestmark = pytest.mark.skipif(rowdot.unavailable() is not None, reason=f"{rowdot.unavailable()}")
 ROWS = (1, 2, 3, 4, 5, 7, 9, 70)  # plain steps, verifies of γ = 1…8, a prefill
@@ -170,7 +170,7 @@ def test_a_damaged_build_is_built_again(tmp_path):
     import sys
 
     env = dict(os.environ, SPECLAB_KERNEL_DIR=str(tmp_path))
-    code = ("from engine.runtime import rowdot; assert rowdot.unavailable() is None, rowdot.unavailable(); "
+    code = ("from engine.runtime.kernels import rowdot; assert rowdot.unavailable() is None, rowdot.unavailable(); "
             "import torch; print(rowdot.attention(None, *[torch.ones(1, 1, 2, 64)] * 3)[0].shape)")
     first = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
     assert first.returncode == 0, first.stderr
@@ -186,7 +186,7 @@ def test_kernels_command_times_the_row_invariant_kernels_against_stock(wide_dirs
     import subprocess
     import sys
 
-    from engine.runtime.kernel_probe import cpu_name
+    from engine.runtime.kernels.probe import cpu_name
 
     cmd = [sys.executable, "-m", "engine", "kernels", "--target", str(wide_dirs[0]), "--draft", str(wide_dirs[1]),
            "--tiers", "fp32,int8"]
@@ -244,8 +244,8 @@ def test_the_kernels_modules_compute_what_hfs_torch_modules_do(wide_dirs, tier, 
     verify-length read's rows equal the same rows read one by one."""
     from engine.runtime import row_llama
     from engine.runtime.forward import TARGET_BODY, forward_logits
+    from engine.runtime.kernels.verify import stock_kernels
     from engine.runtime.models import load_model
-    from engine.runtime.verify_kernels import stock_kernels
 
     model = load_model(str(wide_dirs[0]), tier, torch.device("cpu"))
     rowdot.convert(model, tier)

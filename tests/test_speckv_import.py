@@ -1,4 +1,4 @@
-"""engine/datasets/speckv.py: SpecKV's real phase-2 step CSV becomes runs + steps; malformed files
+"""engine/datasets/speckv_csv.py: SpecKV's real phase-2 step CSV becomes runs + steps; malformed files
 are refused in one line naming file and line, and add nothing."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from engine.base.names import DATA_DIR
-from engine.datasets.speckv import COLUMNS, import_speckv
+from engine.datasets.speckv_csv import COLUMNS, import_speckv
 from store import Store, StoreError
 
 DATA = DATA_DIR / "speckv-phase2"  # vendored, MIT

@@ -282,7 +282,7 @@ def test_first_token_acceptance_counts_drafting_steps_of_one_pair() -> None:
 
 def test_rakv_priors_pad_few_drafting_steps_with_the_default() -> None:
     from engine.decode.policies.rakv import ALPHA0, PRIORS
-    from engine.service.cost_tables import ALPHA_MIN_STEPS, acceptance_priors
+    from engine.service.costs.tables import ALPHA_MIN_STEPS, acceptance_priors
 
     key = ("cpu", "Qwen/Qwen2.5-0.5B-Instruct", "tiny-draft", "fp16", None, "int8")  # COST_KEY's order
     steps = make_steps(4)

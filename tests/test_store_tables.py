@@ -51,7 +51,7 @@ def make_costs(buckets: tuple[int, ...] = (512, 128), draft_ms: float = 1.0,
 # ----- traces -------------------------------------------------------------------------------
 def test_traced_acceptance_counts_the_positions_a_proposer_could_draft_at() -> None:
     from engine.decode.policies.rakv import PRIORS
-    from engine.service.cost_tables import ALPHA_MIN_STEPS, acceptance_priors
+    from engine.service.costs.tables import ALPHA_MIN_STEPS, acceptance_priors
 
     def rows(proposer: str, kept: list[int], lookahead: list[int | None]) -> list[dict[str, Any]]:
         return [{"position": p + 1, "accept_len": a, "draft_ids": [9] * a, "proposer": proposer, "lookahead": la}

@@ -339,7 +339,7 @@ def test_sampling_with_suffix_drafts_follows_the_target_law(tiny_pair):
 
 
 def test_a_comparison_starts_every_policy_from_the_same_history(tiny_pair):
-    from engine.service.runs import Request, run_policies
+    from engine.service.generation import Request, run_policies
 
     prompt, specs = PROMPTS[1], ["fixed:4@suffix", "fixed:3@suffix"]
     ids = _prompt_ids(tiny_pair, prompt)
@@ -390,7 +390,7 @@ def test_cli_refuses_a_bad_suffix_budget_before_loading_models(capsys):
 
 
 def test_a_process_history_starts_from_the_stored_runs(tiny_pair, tmp_path):
-    from engine.service.runs import Request, generate, suffix_history
+    from engine.service.generation import Request, generate, suffix_history
 
     db = str(tmp_path / "runs.duckdb")
     assert len(suffix_history(db, tiny_pair, 50)) == 0  # no file: empty, and none made

@@ -1,4 +1,4 @@
-"""Decode turns that drop to one thread under CPU pressure (engine/runtime/threads.py), only for
+"""Decode turns that drop to one thread under CPU pressure (engine/runtime/kernels/threads.py), only for
 pairs whose decodes the probe found the same on one thread (engine/lab/thread_probe.py), and the
 laws' sums that make them so (engine/oracles/sampling.law_sum)."""
 from __future__ import annotations
@@ -10,7 +10,7 @@ import torch
 
 from engine.lab import thread_probe
 from engine.oracles.sampling import law_sum
-from engine.runtime import threads
+from engine.runtime.kernels import threads
 
 
 class _Clock:

@@ -1,5 +1,5 @@
-"""The few-row verify kernels (engine/runtime/verify_kernels.py) and the probe that chooses them
-per machine (engine/runtime/kernel_probe.py): every kernel at every row count gives torch's linear
+"""The few-row verify kernels (engine/runtime/kernels/verify.py) and the probe that chooses them
+per machine (engine/runtime/kernels/probe.py): every kernel at every row count gives torch's linear
 to fp32 rounding, one-row steps and stock reads stay torch's own bit for bit, a weight changed in
 place is read anew, a patched model still copies (the oneDNN weight lives beside it), and the
 probe's choice is cached per machine, never slower than stock where it measured, and a cache from
@@ -11,7 +11,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from engine.runtime import kernel_probe, verify_kernels
+from engine.runtime.kernels import probe as kernel_probe
+from engine.runtime.kernels import verify as verify_kernels
 
 
 def _model() -> torch.nn.Module:

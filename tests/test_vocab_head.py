@@ -213,7 +213,7 @@ def test_a_draft_on_the_row_invariant_kernels_scores_its_sub_head_through_them()
     """A draft whose body reads the row-invariant kernels scores its sub-head there too (bf16 rows
     in AMX tiles where the CPU has them): fp32 scores of the head's own bf16 rows, one routine for
     every scoring. Without the kernels, or for a width they do not read, the head stays a gemv."""
-    from engine.runtime import rowdot
+    from engine.runtime.kernels import rowdot
 
     if rowdot.unavailable() is not None:
         pytest.skip(rowdot.unavailable())

@@ -158,7 +158,7 @@ SIGNALS = {"mean_entropy": "mean draft entropy (bits)", "mean_confidence": "mean
 
 def acceptance_chart(points: pd.DataFrame, bins: dict[str, pd.DataFrame]) -> Chart:
     """Acceptance against mean entropy and mean confidence: the sampled steps (`points`) as dots,
-    the mean per bin over the same sample (`bins[signal]`, runs_view.acceptance_bins) as a line."""
+    the mean per bin over the same sample (`bins[signal]`, runs_data.acceptance_bins) as a line."""
     parts = [pd.DataFrame({"signal": s, "kind": "step", "x": points[s], "acceptance": points["acceptance"], "steps": 1})
              for s in SIGNALS]
     parts += [pd.DataFrame({"signal": s, "kind": "bin", "x": bins[s][s], "acceptance": bins[s]["acceptance"],
@@ -178,7 +178,7 @@ def acceptance_chart(points: pd.DataFrame, bins: dict[str, pd.DataFrame]) -> Cha
 
 
 def best_gamma_chart(best: pd.DataFrame) -> Chart:
-    """The best γ per tier (rows) × task (columns) of runs_view.best_gamma's rows, each cell
+    """The best γ per tier (rows) × task (columns) of runs_data.best_gamma's rows, each cell
     labelled with its γ and tokens/s."""
     cells = best[["tier", "task", "best_gamma", "tokens_per_s"]].dropna(subset=["best_gamma"])
     labels = [f"γ {int(g)} · {t:.1f} tok/s" for g, t in zip(cells["best_gamma"], cells["tokens_per_s"])]

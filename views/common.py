@@ -11,7 +11,7 @@ import streamlit as st
 from engine.base.helpers import default_db, one_line
 from engine.base.names import EMBEDDED_LABEL, ENGINES
 from engine.service import SUFFIX_BUDGET, SuffixHistory
-from engine.service.live_runs import device_label, load_for_turns, shared_prefix_cache
+from engine.service.session import device_label, load_for_turns, shared_prefix_cache
 
 _KEYS = {"target": "speclab_target", "draft": "speclab_draft", "db": "speclab_db", "engine": "speclab_engine"}
 _ENV = {"target": "SPECLAB_TARGET", "draft": "SPECLAB_DRAFT", "engine": "SPECLAB_ENGINE"}

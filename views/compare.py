@@ -1,6 +1,6 @@
 """Compare: two to four policies on the same prompts, live, one after another (each run takes the
 decode slot), side by side — summary, γ timelines, where the outputs differ — and a what-if tab
-that replays any policies over the stored traces. Glue only: engine/service/runs.py runs,
+that replays any policies over the stored traces. Glue only: engine/service/generation.py runs,
 engine/lab/side_by_side.py shapes, engine/service/ replays, the store keeps every run."""
 from __future__ import annotations
 
@@ -20,8 +20,8 @@ from engine.service import (
     replay_rows,
 )
 from engine.service import side_by_side as C
-from engine.service.cost_tables import MODEL_TOLERANCE, model_checks
-from engine.service.runs import Request, check, run_policies, store_outcome
+from engine.service.costs.tables import MODEL_TOLERANCE, model_checks
+from engine.service.generation import Request, check, run_policies, store_outcome
 from store import Store
 from views.charts import Chart, gamma_chart, grouped_bars
 from views.common import engine_key, get_pair, get_suffix_history, settings, show_error

@@ -2,7 +2,7 @@
 Hugging Face `generate` kwargs and as a vLLM `speculative_config`; saved in the store with a
 version, or written as a self-contained directory (the config beside the draft as a model the
 engine loads); per engine, whether this setting's export was last run there and what it gave.
-Glue only: engine/service/export.py and export_dir.py make every form, engine/service/ stores them."""
+Glue only: engine/service/export/ (formats.py, model_dir.py) makes every form, engine/service/ stores them."""
 from __future__ import annotations
 
 import json
@@ -12,10 +12,10 @@ import streamlit as st
 from engine.base.helpers import one_line
 from engine.base.names import WEIGHT_TIERS, tiers_of
 from engine.service import latest_live_run, save_export, stored_exports
-from engine.service.export import describe_check, export_bundle, export_checks, render, vllm_fields
-from engine.service.export_dir import summary, write_export_dir
-from engine.service.export_llamacpp import llamacpp_summary, write_llamacpp_export
-from engine.service.tuned_config import TunedConfig, default_name, from_run, to_json, to_yaml
+from engine.service.export.formats import describe_check, export_bundle, export_checks, render, vllm_fields
+from engine.service.export.llamacpp import llamacpp_summary, write_llamacpp_export
+from engine.service.export.model_dir import summary, write_export_dir
+from engine.service.export.tuned_config import TunedConfig, default_name, from_run, to_json, to_yaml
 from views.common import engine_key, settings, show_error
 
 PREFILL_KEY = "export_prefill"

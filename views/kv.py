@@ -12,9 +12,9 @@ from plotly.subplots import make_subplots
 
 from engine.base.names import KV_TIERS
 from engine.service import MEASURE_KV_MINUTES, kv_view, latest_kv_measurement, measure_kv
-from engine.service.kv_actions import KV_DEFAULTS, MEASURE_KV_WHAT, seed_view
-from engine.service.kv_figures import GOALS, acceptance_tiers, axis_range, measured_windows
-from engine.service.kv_tuner import target_name
+from engine.service.kv.actions import KV_DEFAULTS, MEASURE_KV_WHAT, seed_view
+from engine.service.kv.figures import GOALS, acceptance_tiers, axis_range, measured_windows
+from engine.service.kv.tuner import target_name
 from views.common import settings, show_error
 
 LINKS = [0.1, 0.2, 0.3, 0.5, 1, 2, 3, 5, 10, 20, 30, 50, 100]  # the log slider's stops, Gbit/s

@@ -1,5 +1,5 @@
 """Live decode: one generation streamed step by step, with the draft's signals as they happen.
-Glue only: the engine decodes on a thread of its own (engine/service/live_runs.py), the store keeps
+Glue only: the engine decodes on a thread of its own (engine/service/session.py), the store keeps
 the run, this page polls the run and draws it; Stop is heard between two steps."""
 from __future__ import annotations
 
@@ -10,9 +10,9 @@ import streamlit as st
 
 from engine.base.names import tiers_of
 from engine.service import DEFAULT_POLICY, POLICY_EXAMPLES, WORKBENCH_PROMPT, side_by_side
-from engine.service.cost_jobs import MEASURER
-from engine.service.live_runs import LiveRun, LiveSnapshot, start_live
-from engine.service.runs import Request, check
+from engine.service.costs.jobs import MEASURER
+from engine.service.generation import Request, check
+from engine.service.session import LiveRun, LiveSnapshot, start_live
 from views.charts import step_chart
 from views.common import engine_key, get_pair, get_prefix_cache, get_suffix_history, settings, show_error
 
@@ -106,7 +106,7 @@ def request_of(inp: dict) -> Request:
 
 
 def start(inp: dict) -> None:
-    """Starts a run on its own thread (see engine/service/live_runs.py), or shows why not."""
+    """Starts a run on its own thread (see engine/service/session.py), or shows why not."""
     s = settings()
     try:
         req = request_of(inp)

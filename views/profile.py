@@ -1,5 +1,5 @@
 """Profile: a sweep (tiers × KV tiers × prompts × policies, each a live run stored as it finishes)
-started from the page and run in the background (engine/service/jobs.py), optionally after tracing the
+started from the page and run in the background (engine/service/sweeps/jobs.py), optionally after tracing the
 same prompts for replay and retrain. The progress shows to every session; leaving the page and
 coming back finds it; Stop keeps what finished and the same name resumes. Glue only."""
 from __future__ import annotations
@@ -11,9 +11,9 @@ import streamlit as st
 
 from engine.base.names import tiers_of
 from engine.service import POLICY_EXAMPLES, parse_policy, prompt_set, sweep_jobs, sweep_table
-from engine.service.cluster import ClusterSpec, PairSpec
-from engine.service.jobs import RUNNER, SweepSpec, SweepStatus
-from engine.service.kernels import kernel_report
+from engine.service.costs.kernels import kernel_report
+from engine.service.sweeps.cluster import ClusterSpec, PairSpec
+from engine.service.sweeps.jobs import RUNNER, SweepSpec, SweepStatus
 from store import Store
 from views.common import Settings, _pair, engine_key, get_pair, settings, show_error
 

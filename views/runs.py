@@ -1,7 +1,7 @@
 """Runs: every stored run and its steps, filtered (model pair, tier, policy, task, date): the runs
 with downloads as CSV or Parquet, and in tabs of their own acceptance against the draft's entropy
 and confidence, the best fixed γ by tier × task, and tokens/s by policy. Glue only:
-engine/service/runs_view.py shapes the DataFrames the store returns; the file is opened read-only,
+views/runs_data.py shapes the DataFrames the store returns; the file is opened read-only,
 so a running sweep keeps writing."""
 from __future__ import annotations
 
@@ -11,8 +11,8 @@ from datetime import date
 import pandas as pd
 import streamlit as st
 
-from engine.service import runs_view as V
 from store import Store, file_stamp
+from views import runs_data as V
 from views.charts import SIGNALS, acceptance_chart, best_gamma_chart, grouped_bars
 from views.common import settings, show_error
 

@@ -4,12 +4,12 @@ from __future__ import annotations
 import argparse
 import json
 
+from engine.base.flags import KV_TIERS_ARG, exact_verify
 from engine.base.helpers import csv_list
 from engine.cli.parsing import JSON_ARG, PROMPTS_ARG, TIERS_ARG, command, load, open_or_fail, pairs, progress_bar, say
 from engine.decode.costs import CONTEXT_BUCKETS, REPS
 from engine.decode.policies import split_policies
 from engine.service import TRACE_POLICIES
-from engine.service.options import KV_TIERS_ARG, exact_verify
 
 
 # -- measure, replay, learn ------------------------------------------------------------------------
@@ -17,7 +17,7 @@ from engine.service.options import KV_TIERS_ARG, exact_verify
          TIERS_ARG, JSON_ARG, models=True)
 def cmd_kernels(a: argparse.Namespace) -> int:
     from engine.service import parse_tiers
-    from engine.service.kernels import kernel_report
+    from engine.service.costs.kernels import kernel_report
 
     out = []
     for pair in pairs(a, parse_tiers(a.tiers, a.engine)):
@@ -212,7 +212,7 @@ def _activation(a: argparse.Namespace) -> bool | None:
 def cmd_profile(a: argparse.Namespace) -> int:
     from engine.decode.policies import parse_policy
     from engine.service import format_sweep, parse_kv_tiers, parse_tiers, profile, prompt_set, sweep_table
-    from engine.service.sweeps import sweep_jobs
+    from engine.service.sweeps.serial import sweep_jobs
     from store import Store
 
     tiers, prompts, policies = parse_tiers(a.tiers, a.engine), prompt_set(a.prompts, a.per_task), split_policies(a.policies)
@@ -240,9 +240,9 @@ def cmd_profile(a: argparse.Namespace) -> int:
 
 
 def _profile_on_ray(a: argparse.Namespace, st, jobs: list, bar) -> None:
-    """`profile --ray`: service/cluster_sweep.py with the pair the model flags name."""
-    from engine.service.cluster import ClusterSpec, PairSpec
-    from engine.service.cluster_sweep import profile_on_ray
+    """`profile --ray`: service/sweeps/cluster_sweep.py with the pair the model flags name."""
+    from engine.service.sweeps.cluster import ClusterSpec, PairSpec
+    from engine.service.sweeps.cluster_sweep import profile_on_ray
 
     pair = PairSpec(a.target, a.draft, a.draft_tier, a.device, a.trust_remote_code, exact_verify(a), a.eagle, a.engine)
     res = profile_on_ray(st, a.sweep, jobs, pair, a.max_new_tokens, ClusterSpec(a.ray or None, a.workers, 1.0, a.worker_gpus),

@@ -13,9 +13,9 @@ from engine.base.helpers import one_line
 # isort: off
 from engine.cli import run_commands, lab_commands  # noqa: F401  (registers the commands, in --help's order)
 # isort: on
+from engine.base.flags import add_db_arg, add_model_args
 from engine.cli.parsing import COMMANDS, Parser, say
 from engine.cli.run_commands import _distill_args
-from engine.service.options import add_db_arg, add_model_args
 
 
 def build_parser() -> argparse.ArgumentParser:

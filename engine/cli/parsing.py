@@ -7,7 +7,7 @@ import sys
 from pathlib import Path
 from typing import Callable, Iterator
 
-from engine.service.options import exact_verify
+from engine.base.flags import exact_verify
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 TIERS_ARG = ("--tiers", dict(default=None, help="comma-separated target tiers (default: fp32; q4_1 on "

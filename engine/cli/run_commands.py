@@ -9,11 +9,11 @@ import os
 from pathlib import Path
 from typing import Callable
 
+from engine.base.flags import KV_TIER_ARG, add_model_args
 from engine.base.helpers import csv_list
 from engine.cli.parsing import COMMANDS, JSON_ARG, REPO_ROOT, command, load, open_or_fail, pairs, say
 from engine.decode.policies import DEFAULT_POLICY, POLICY_EXAMPLES
 from engine.service import SUFFIX_BUDGET
-from engine.service.options import KV_TIER_ARG, add_model_args
 
 
 # -- generate and the one-off commands -------------------------------------------------------------
@@ -25,7 +25,7 @@ from engine.service.options import KV_TIER_ARG, add_model_args
          ("--task", dict(default=None, help="label stored with the run (code, math, …)")),
          ("--no-reuse", dict(action="store_true", help="recompute the whole prompt: no cross-request prefix KV")),
          ("--prefix-budget", dict(type=float, default=512.0, help="prefix cache budget in MiB")),
-         # 2048: prefix_disk.DEFAULT_BUDGET_MIB (a literal here: the CLI starts without torch)
+         # 2048: prefix.disk.DEFAULT_BUDGET_MIB (a literal here: the CLI starts without torch)
          ("--prefix-disk-budget", dict(type=float, default=2048.0, metavar="MIB", help="budget of the prefix "
                                        "cache's disk tier, which later runs (other processes) reuse; least recently "
                                        "used entries go first")),
@@ -41,9 +41,9 @@ from engine.service.options import KV_TIER_ARG, add_model_args
 def cmd_generate(a: argparse.Namespace) -> int:
     from engine.oracles.suffix import check_budget
     from engine.runtime.models import pair_device
-    from engine.runtime.prefix_cache import PrefixCache
-    from engine.runtime.prefix_disk import mib_to_bytes
-    from engine.service.runs import Request, check, keep, open_generation, suffix_history
+    from engine.runtime.prefix.cache import PrefixCache
+    from engine.runtime.prefix.disk import mib_to_bytes
+    from engine.service.generation import Request, check, keep, open_generation, suffix_history
 
     if a.config:
         _apply_config(a, _tuned(a, "generate"))
@@ -99,7 +99,7 @@ def _measure_costs_after(db: str, pair, req, n_prompt: int) -> None:
     """After a run that read probed costs (or a table short of the contexts it reached): the table
     measured and stored now, for the runs after it; a busy machine leaves it for a later run."""
     from engine.lab.timing import MachineBusy
-    from engine.service.cost_tables import measure_missing, reach
+    from engine.service.costs.tables import measure_missing, reach
 
     try:
         table = measure_missing(db, pair, req.kv_tier, reach(n_prompt, req.max_new_tokens), say)
@@ -112,7 +112,7 @@ def _measure_costs_after(db: str, pair, req, n_prompt: int) -> None:
 
 def _prefix_disk(pair, folder: str | None, budget: int):
     """The prefix cache's disk tier for `pair`, in `folder` (default: the model cache's prefix-kv)."""
-    from engine.runtime.prefix_disk import PrefixDisk, default_folder, pair_identity
+    from engine.runtime.prefix.disk import PrefixDisk, default_folder, pair_identity
 
     return PrefixDisk(Path(folder) if folder else default_folder(), budget, pair_identity(pair), pair.device, say)
 
@@ -144,7 +144,7 @@ def _flag_defaults(name: str) -> argparse.ArgumentParser:
 def _tuned(a: argparse.Namespace, name: str):
     """The TunedConfig of command `name`: `--config`'s file overridden by the flags set to other
     than their defaults, or the flags alone (the rules: tuned_config.with_flags)."""
-    from engine.service.tuned_config import with_flags
+    from engine.service.export.tuned_config import with_flags
 
     defaults = _flag_defaults(name)
     flags = [(dest, key, conv) for dest, key, conv in _TUNED_FLAGS if hasattr(a, dest)]
@@ -191,8 +191,8 @@ CONFIG_SUFFIXES = (".json", ".yaml", ".yml")  # `export --out FILE` with one of 
          models=True, db="DuckDB file the export is stored in; '' stores nothing")
 def cmd_export(a: argparse.Namespace) -> int:
     from engine.service import save_export
-    from engine.service.export import render
-    from engine.service.tuned_config import default_name
+    from engine.service.export.formats import render
+    from engine.service.export.tuned_config import default_name
 
     if a.speculators:
         raise ValueError("export --speculators is gone: vLLM loads none of SpecLab's layouts as a speculators type; "
@@ -204,11 +204,11 @@ def cmd_export(a: argparse.Namespace) -> int:
     directory = a.out is not None and Path(a.out).suffix.lower() not in CONFIG_SUFFIXES
     made_by = f"python -m engine export --format {a.format} --policy {cfg.policy} --out {a.out}"
     if directory and a.format == "llamacpp":
-        from engine.service.export_llamacpp import llamacpp_summary, write_llamacpp_export
+        from engine.service.export.llamacpp import llamacpp_summary, write_llamacpp_export
 
         written = llamacpp_summary(a.out, write_llamacpp_export(cfg, a.out, made_by))
     elif directory:
-        from engine.service.export_dir import summary, write_export_dir
+        from engine.service.export.model_dir import summary, write_export_dir
 
         written = summary(a.out, write_export_dir(cfg, a.format, a.out, made_by=made_by))
     if a.db:
@@ -231,7 +231,7 @@ def cmd_export(a: argparse.Namespace) -> int:
 
 def _check_export(path: str, engine_version: str | None) -> int:
     """`export --check DIR`: one line naming what the directory holds, or its first problem."""
-    from engine.service.export_dir import check_export_dir, summary
+    from engine.service.export.model_dir import check_export_dir, summary
 
     print(summary(path, check_export_dir(path, engine_version)))
     return 0
@@ -239,7 +239,8 @@ def _check_export(path: str, engine_version: str | None) -> int:
 
 @command("setup", "convert the embedded model's GGUF to a local safetensors cache, once")
 def cmd_setup(a: argparse.Namespace) -> int:
-    from engine.runtime.models import EMBEDDED_LABEL, embedded_dir
+    from engine.base.names import EMBEDDED_LABEL
+    from engine.runtime.embedded import embedded_dir
 
     print(f"embedded model {EMBEDDED_LABEL}: {embedded_dir()}")
     return 0
@@ -248,7 +249,7 @@ def cmd_setup(a: argparse.Namespace) -> int:
 @command("import-speckv", "import SpecKV's phase-2 step CSV as runs (source speckv)",
          ("path", dict(help="phase2_step_results.csv")), JSON_ARG, db="DuckDB file to import into")
 def cmd_import_speckv(a: argparse.Namespace) -> int:
-    from engine.datasets.speckv import import_speckv
+    from engine.datasets.speckv_csv import import_speckv
     from store import Store
 
     if not os.path.isfile(a.path):  # before opening: a typo must not create an empty database

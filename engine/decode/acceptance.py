@@ -11,7 +11,7 @@ from typing import Callable
 
 import numpy as np
 
-from engine.base.names import check_kv_tier
+from engine.base.names import COMPRESSION_CODES, GGUF_KV_CODES, KV_TIER_CODES, check_kv_tier
 from engine.decode.records import DecodeState, StepRecord
 
 # The paper's six inputs, in its order. The first four describe the draft's uncertainty over
@@ -24,27 +24,20 @@ SIGNALS = FEATURES[:4]
 # it was fitted on, and its rows are built by name, so the six-feature ones (the paper's protocol
 # on the imported SpecKV file, controllers stored before KV tiers) keep loading and predicting.
 FEATURES_KV = FEATURES + ("kv_tier",)
-# The paper's encoding of the target's weight compression (fp16 0, int8 1, nf4 2); our float
-# tiers are all uncompressed weights, and the llama.cpp engine's GGUF formats code alike by bits.
-COMPRESSION = {"fp32": 0, "bf16": 0, "fp16": 0, "int8": 1, "nf4": 2, "f32": 0, "q8_0": 1, "q4_1": 2}
-# The KV tiers (base/names.py's KV_TIERS, in its order, which a test checks), coded by how lossy
-# they are; llama.cpp's q8_0 and q4_0 caches after them.
-KV_CODES = {"native": 0, "fp8": 1, "int8": 2}
-GGUF_KV_CODES = {"q8_0": 2, "q4_0": 3}
 CANDIDATES = (0, 1, 2, 4, 6, 8)  # the draft lengths a controller weighs; 0 = plain decoding
 PAPER_CANDIDATES = (2, 4, 6, 8)  # SpecKV's γ grid
 
 
 def compression_code(tier: str) -> int:
-    if tier not in COMPRESSION:
-        raise ValueError(f"unknown target tier {tier!r}; known: {', '.join(COMPRESSION)}")
-    return COMPRESSION[tier]
+    if tier not in COMPRESSION_CODES:
+        raise ValueError(f"unknown target tier {tier!r}; known: {', '.join(COMPRESSION_CODES)}")
+    return COMPRESSION_CODES[tier]
 
 
 def kv_code(kv_tier: str | None) -> int:
     """The KV tier's feature value (None, a row stored before KV tiers: native)."""
     kv_tier = kv_tier if isinstance(kv_tier, str) else "native"
-    codes = KV_CODES | GGUF_KV_CODES
+    codes = KV_TIER_CODES | GGUF_KV_CODES
     if kv_tier not in codes:
         check_kv_tier(kv_tier, None)  # unknown to every engine: a ValueError in one line
     return codes[kv_tier]

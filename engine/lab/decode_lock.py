@@ -172,7 +172,7 @@ def stepped(steps: Iterable[T], who: str, on_wait: Callable[[str], None] = lambd
     as for the first step only; `waited(ms)` hears how long each turn queued, once it has the
     slot, and how long it was paused within the turn for others' openings, if it was. Closing this
     closes `steps` (a Generation stopped early keeps what it ran)."""
-    from engine.runtime.threads import give_way, turn_threads  # torch: imported when a decode first runs
+    from engine.runtime.kernels.threads import give_way, turn_threads  # torch: imported when a decode first runs
 
     it = iter(steps)
     try:

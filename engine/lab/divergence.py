@@ -14,7 +14,7 @@ from engine.base.helpers import first_difference
 from engine.decode.policies import make_policy
 from engine.lab.generation import GenConfig, Generation, encode_messages, encode_prompt
 from engine.runtime.models import ModelPair
-from engine.runtime.prefix_cache import PrefixCache
+from engine.runtime.prefix.cache import PrefixCache
 
 
 @dataclass

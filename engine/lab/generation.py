@@ -20,7 +20,7 @@ from engine.runtime.forward import WallClock
 from engine.runtime.kv.calibration import CodecKit
 from engine.runtime.kv.offload import Offloaded, SlowTier
 from engine.runtime.models import ModelPair, pair_device
-from engine.runtime.prefix_cache import PrefixCache
+from engine.runtime.prefix.cache import PrefixCache
 
 
 @dataclass(frozen=True)

@@ -29,7 +29,7 @@ from engine.oracles.target import target_reads
 from engine.runtime.forward import crop_to, forward_logits, sync_device
 from engine.runtime.kv.cache import new_cache
 from engine.runtime.models import ModelPair, pair_device
-from engine.runtime.prefix_cache import fill, kv_of
+from engine.runtime.prefix.cache import fill, kv_of
 
 
 @dataclass
@@ -273,7 +273,7 @@ def probe_costs(pair: ModelPair, kv_tier: str = "native") -> CostTable:
 
 
 def _table_key(pair: ModelPair, kv_tier: str) -> dict:
-    """What a cost table is measured for (service.cost_tables.cost_key's fields)."""
+    """What a cost table is measured for (service.costs.tables.cost_key's fields)."""
     return dict(device=pair_device(pair), target=pair.target_name, draft=pair.draft_name,
                 target_tier=pair.target_tier, draft_tier=pair.draft_tier, kv_tier=kv_tier)
 

@@ -1,6 +1,6 @@
 """Whether a pair's decodes come out bitwise the same on one thread and on all the cores, which
 the workbench needs before its decode turns may drop to one thread under CPU pressure
-(engine/runtime/threads.py).
+(engine/runtime/kernels/threads.py).
 
 The probe runs what a turn runs, not a model call that stands for it: a trace (every proposer the
 pair has drafting K_MAX tokens at each position, their entropies and confidences, the target's
@@ -8,7 +8,7 @@ plain steps, the acceptance probability of each first draft token at a temperatu
 `fixed:4` run greedy and sampled (the target's verify of several rows, the draft's reads after a
 partial acceptance, rejection sampling), once on one thread and once on all, and compares every
 token and every recorded number but the clock's. The row-invariant CPU kernels
-(engine/runtime/rowdot.py) split each read among the threads by output element, and the laws'
+(engine/runtime/kernels/rowdot.py) split each read among the threads by output element, and the laws'
 sums over the vocabulary go a block at a time (engine/oracles/sampling.law_sum), so a pair on
 them passes by construction; a torch op that splits a reduction by thread count fails it, and
 that pair's turns keep every core."""

@@ -15,7 +15,7 @@ from engine.runtime import invariance
 from engine.runtime.forward import crop_to, forward_last_state, forward_logits
 from engine.runtime.kv.cache import new_cache
 from engine.runtime.models import ModelPair
-from engine.runtime.prefix_cache import Hit, fill
+from engine.runtime.prefix.cache import Hit, fill
 from engine.runtime.vocab_head import SubHead
 
 

@@ -14,7 +14,7 @@ import torch
 
 from engine.decode.records import DraftToken
 from engine.oracles.sampling import Sampler, greedy_accept
-from engine.runtime.prefix_cache import Hit
+from engine.runtime.prefix.cache import Hit
 
 
 class LlamaTargetVerifier:

@@ -12,7 +12,7 @@ _LN2 = math.log(2.0)
 # each adding up its share, so a sum over a vocabulary rounds as the thread count says. Summed a
 # block under the grain at a time (one thread each, in order), then the blocks in order, a law's
 # mass and entropy have the same bits on any count: the workbench's decode turns may then drop to
-# one thread while the CPU is wanted elsewhere (engine/runtime/threads.py).
+# one thread while the CPU is wanted elsewhere (engine/runtime/kernels/threads.py).
 _BLOCK = 16_384
 
 

@@ -18,7 +18,7 @@ from engine.runtime.kv.cache import held_bytes_per_token, new_cache
 from engine.runtime.kv.calibration import CodecKit
 from engine.runtime.kv.offload import Offloaded, SlowTier, Timing, drop, offload, restore
 from engine.runtime.models import ModelPair
-from engine.runtime.prefix_cache import Entry, Hit, PrefixCache, fill, kv_of
+from engine.runtime.prefix.cache import Entry, Hit, PrefixCache, fill, kv_of
 
 
 def target_reads(pair: ModelPair, kv_tier: str) -> Callable[[], contextlib.AbstractContextManager]:
@@ -32,7 +32,7 @@ def target_reads(pair: ModelPair, kv_tier: str) -> Callable[[], contextlib.Abstr
 
 class TargetVerifier:
     """One target forward over [newest token, d_1 … d_k] scores every draft prefix at once. With
-    a prefix cache, the prefill takes what the longest stored prefix offers (engine/runtime/prefix_cache.py)."""
+    a prefix cache, the prefill takes what the longest stored prefix offers (engine/runtime/prefix/cache.py)."""
 
     plain_reuses_shape = False  # a plain step costs the same whatever read came before it
 

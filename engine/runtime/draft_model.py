@@ -13,7 +13,8 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
-from engine.runtime import int8_kernel, invariance
+from engine.runtime import invariance
+from engine.runtime.kernels import int8 as int8_kernel
 
 MARKER = "speclab_draft.json"
 WEIGHTS = "draft.safetensors"
@@ -127,7 +128,7 @@ def dequantize(state: dict[str, torch.Tensor], dtype: torch.dtype) -> dict[str, 
 
 def attach_int8(draft: torch.nn.Module, state: dict[str, torch.Tensor]) -> None:
     """Gives each linear whose matrix is stored int8, where the int8 kernel serves it
-    (engine/runtime/int8_kernel.py), its int8 weight and scales (`speclab_int8`, read by
+    (engine/runtime/kernels/int8.py), its int8 weight and scales (`speclab_int8`, read by
     invariance's draft linears; `weight` stays, dequantized, for whatever reads weights)."""
     for key, scale in state.items():
         if not key.endswith(SCALE):

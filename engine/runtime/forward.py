@@ -7,8 +7,8 @@ import time
 import torch
 
 from engine.runtime import preempt
+from engine.runtime.kernels.verify import stock
 from engine.runtime.kv.cache import new_cache
-from engine.runtime.verify_kernels import stock
 
 BODY = "speclab_body"  # a draft's lean body read, where it has one (engine/runtime/lean_body.py)
 TARGET_BODY = "speclab_target_body"  # a target's fused read on the row-invariant kernels (row_llama.py)

@@ -36,8 +36,11 @@ from typing import Iterator
 import torch
 import torch.nn.functional as F
 
-from engine.runtime import int8_kernel, lean_body, rowdot, verify_kernels
+from engine.runtime import lean_body
 from engine.runtime.forward import forward_logits
+from engine.runtime.kernels import int8 as int8_kernel
+from engine.runtime.kernels import rowdot
+from engine.runtime.kernels import verify as verify_kernels
 from engine.runtime.kv.cache import new_cache
 
 NAME = "speclab_sdpa"

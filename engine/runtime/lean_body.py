@@ -15,8 +15,9 @@ from __future__ import annotations
 
 import torch
 
-from engine.runtime import int8_kernel, preempt
+from engine.runtime import preempt
 from engine.runtime.forward import BODY
+from engine.runtime.kernels import int8 as int8_kernel
 
 
 def _stacked(modules) -> tuple[torch.Tensor, torch.Tensor] | None:

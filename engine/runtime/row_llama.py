@@ -1,4 +1,4 @@
-"""A Llama target on the row-invariant kernels (runtime/rowdot.py), whole: its norms, MLPs and
+"""A Llama target on the row-invariant kernels (runtime/kernels/rowdot.py), whole: its norms, MLPs and
 attention blocks compute through the kernels' own elementwise steps, and a plain step or verify
 reads each decoder layer in two native calls (`TargetBody`).
 
@@ -21,7 +21,7 @@ import torch
 
 from engine.runtime import preempt
 from engine.runtime.forward import BODY, TARGET_BODY
-from engine.runtime.verify_kernels import stock
+from engine.runtime.kernels.verify import stock
 
 
 def _torch_path() -> bool:

@@ -16,8 +16,9 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
-from engine.runtime import int8_kernel, rowdot
 from engine.runtime.draft_model import quantize_rows
+from engine.runtime.kernels import int8 as int8_kernel
+from engine.runtime.kernels import rowdot
 
 RANK_FILE = Path(__file__).resolve().parents[1] / "data" / "vocab_rank.safetensors"
 
@@ -66,10 +67,10 @@ class SubHead:
     d2t: torch.Tensor  # [K] int64: target id = draft index + d2t
     t2d: torch.Tensor  # [V] bool: the target ids the head covers
     weight: torch.Tensor  # [K, H], contiguous: a copy, so the matmul streams K rows, not V
-    # (int8 rows [K, H], bf16 scales [K]) where the draft reads int8 (engine/runtime/int8_kernel.py):
+    # (int8 rows [K, H], bf16 scales [K]) where the draft reads int8 (engine/runtime/kernels/int8.py):
     # scoring one row reads every weight once, so half the bytes is most of half the time.
     int8: tuple[torch.Tensor, torch.Tensor] | None = None
-    # the rows read through the row-invariant kernels (engine/runtime/rowdot.py) where the draft's
+    # the rows read through the row-invariant kernels (engine/runtime/kernels/rowdot.py) where the draft's
     # body is: bf16 in AMX tiles or fp32, the head's own values, streamed once a scoring
     row: torch.nn.Module | None = None
 

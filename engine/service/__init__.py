@@ -1,6 +1,7 @@
 """The service layer: one owner per user action, what the CLI, the pages and the benchmarks call
-(docs/architecture.md, "Layers"). Each module is one family of actions over the engine and the
-store; this package re-exports their public names, so callers write `service.generate(...)`, and
+(docs/architecture.md, "Layers"). At the top: one generation (generation.py), what a process holds
+once (session.py) and replay (replays.py); each folder one family: sweeps/, costs/, kv/, export/.
+This package re-exports their public names, so callers write `service.generate(...)`, and
 the names of the layers below that the pages show (policy specs, the workbench's prompt, the
 comparison's shaping): views/ and app.py import nothing below it but engine.base.
 
@@ -13,7 +14,7 @@ from engine.decode.policies import DEFAULT_POLICY, POLICY_EXAMPLES, parse_policy
 from engine.lab import side_by_side
 from engine.lab.whatif import tier_label
 from engine.oracles.suffix import SUFFIX_BUDGET, SuffixHistory
-from engine.service.cost_tables import (
+from engine.service.costs.tables import (
     ALPHA_MIN_STEPS,
     calibrate_all,
     calibrate_costs,
@@ -26,17 +27,8 @@ from engine.service.cost_tables import (
     reach,
     stored_costs,
 )
-from engine.service.export import save_export, stored_exports
-from engine.service.kv_actions import (
-    MEASURE_KV_MINUTES,
-    format_tune,
-    kv_view,
-    latest_kv_measurement,
-    measure_kv,
-    tune_kv,
-)
-from engine.service.replays import TRACE_IDENTITY, newest_traces, replay_all, replay_rows, retrain
-from engine.service.runs import (
+from engine.service.export.formats import save_export, stored_exports
+from engine.service.generation import (
     Request,
     check,
     comparison_contexts,
@@ -49,7 +41,16 @@ from engine.service.runs import (
     store_run,
     suffix_history,
 )
-from engine.service.sweeps import (
+from engine.service.kv.actions import (
+    MEASURE_KV_MINUTES,
+    format_tune,
+    kv_view,
+    latest_kv_measurement,
+    measure_kv,
+    tune_kv,
+)
+from engine.service.replays import TRACE_IDENTITY, newest_traces, replay_all, replay_rows, retrain
+from engine.service.sweeps.serial import (
     TRACE_POLICIES,
     format_sweep,
     parse_kv_tiers,

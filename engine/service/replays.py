@@ -9,7 +9,7 @@ import numpy as np
 from engine.decode.acceptance import Predictor
 from engine.decode.policies import PolicyContext, make_policy
 from engine.lab.whatif import Replay, replay, summarize
-from engine.service.cost_tables import controller_loader, stored_costs
+from engine.service.costs.tables import controller_loader, stored_costs
 from store import Store
 
 
@@ -161,7 +161,7 @@ def _examples(st: Store, source: str, sweep: str | None):
 def _replay_gain(st: Store, mlp: Predictor, trace_ids: set, active: tuple[int, Predictor] | None = None) -> dict:
     """Exact replay over the test prompts' traces: the new controller vs fixed:4, the best fixed γ
     per tier and (when one is active) the active version, in modelled tokens/s (summed over tiers)."""
-    from engine.decode.policies.speckv import SpeckvPolicy
+    from engine.decode.policies.learned import SpeckvPolicy
 
     fixed = ["ar"] + [f"fixed:{k}" for k in range(1, 9)]
     new = lambda ctx: SpeckvPolicy(mlp, ctx.need_costs("speckv"), name="speckv (new)")  # noqa: E731

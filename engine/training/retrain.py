@@ -225,7 +225,7 @@ def predictor_scored(pred: Predictor, x: np.ndarray, tiers: np.ndarray) -> dict:
 def decision_ms(pred: Predictor, costs=None, n: int = 2000) -> float:
     """Median wall time of one `speckv` decision (feature rows, one predict over the candidates,
     the objective), as the policy makes it."""
-    from engine.decode.policies.speckv import SpeckvPolicy
+    from engine.decode.policies.learned import SpeckvPolicy
 
     policy = SpeckvPolicy(pred, costs, objective="tps" if costs else "paper")
     state = DecodeState(step=1, position=1, context_len=64, remaining=100, target_tier="fp32", kv_tier="native")

@@ -17,10 +17,10 @@ from engine.decode.costs import CostTable
 from engine.decode.policies.base import BasePolicy, Policy
 from engine.decode.policies.fixed import FixedPolicy
 from engine.decode.policies.heuristic import HeuristicPolicy
+from engine.decode.policies.learned import SpeckvPolicy
 from engine.decode.policies.rakv import ALPHA0 as RAKV_ALPHA0
 from engine.decode.policies.rakv import RakvPolicy
-from engine.decode.policies.rules import RulesPolicy
-from engine.decode.policies.speckv import SpeckvPolicy
+from engine.decode.policies.signal_rules import RulesPolicy
 from engine.decode.policies.threshold import ThresholdPolicy
 from engine.decode.records import K_MAX, PROPOSER_NAMES, PROPOSER_OPTIONS, Positive
 

@@ -17,15 +17,8 @@ import numpy as np
 
 from engine.decode.acceptance import expected_tokens
 from engine.decode.costs import CostTable
-from engine.decode.policies.base import (
-    BasePolicy,
-    catchup_pays,
-    grid_for,
-    lookahead_of,
-    probe_due,
-    probe_pays,
-    reuse_that_pays,
-)
+from engine.decode.policies.base import BasePolicy
+from engine.decode.policies.payoff import catchup_pays, grid_for, lookahead_of, probe_due, probe_pays, reuse_that_pays
 from engine.decode.records import Action, DecodeState
 
 # rakv's prior α0 counts as this many trials beside the EWMA's own: one accepted probe alone

@@ -63,7 +63,7 @@ def fit_codec(target: torch.nn.Module, predictor: torch.nn.Module, kind: str, id
 
 
 def codec_path(target: torch.nn.Module, kind: str, tier: str) -> Path:
-    from engine.runtime.models import cache_dir
+    from engine.runtime.embedded import cache_dir
 
     return cache_dir() / "kvcodec" / f"{kvp.fingerprint(target)}-{kind}-{tier}.npz"
 

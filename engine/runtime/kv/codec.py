@@ -37,6 +37,7 @@ from pathlib import Path
 import numpy as np
 
 from engine.base.helpers import one_line
+from engine.base.names import KV_TIER_CODES
 
 try:  # an optional dependency of the engine: only coding needs it
     import constriction
@@ -78,7 +79,7 @@ class Grid:
 GRIDS = {"bf16": Grid(7, -126, 16), "fp16": Grid(10, -14, 16), "fp32": Grid(23, -126, 32),
          "e4m3": Grid(3, -6, 8), "int8": Grid(None, 0, 8)}
 GRID_CODES = {name: i for i, name in enumerate(GRIDS)}
-TIER_CODES = {"native": 0, "fp8": 1, "int8": 2}
+TIER_CODES = KV_TIER_CODES  # a window's header names its KV tier by code
 RAW_DTYPES = {"bf16": np.uint16, "fp16": np.uint16, "fp32": np.uint32, "e4m3": np.uint8, "int8": np.uint8}
 
 E4M3_VALUES = np.array([  # all 256 e4m3fn codes as float64 (0x7F and 0xFF are NaN)
