@@ -7,6 +7,8 @@ import math
 
 import torch
 
+from engine.decode.tree import ROOT, DraftTree, greedy_path
+
 _LN2 = math.log(2.0)
 # ATen splits a reduction of more than 32,768 elements (its grain) among the intra-op threads,
 # each adding up its share, so a sum over a vocabulary rounds as the thread count says. Summed a
@@ -68,6 +70,51 @@ def rejection_sample(draft: list[int], p: torch.Tensor, q: torch.Tensor, gen: to
     return k, int(torch.multinomial(q[k], 1, generator=gen))
 
 
+def tree_sample(tree: DraftTree, q: torch.Tensor, gen: torch.Generator) -> tuple[list[int], int]:
+    """Multi-draft speculative sampling down a token tree (SpecInfer's recursive rejection sampling,
+    without replacement as in Sequoia). q: [N+1, V], the target's law after each row's path.
+
+    At row r the children c_1 … c_m are tried in the order they were added. Child i was drawn from
+    its law p_i restricted to the tokens its earlier siblings do not hold (its DraftToken.p, None
+    for a proposal made without a law: the one-hot of its token). It is accepted with probability
+    min(1, q_r(x)/p_i(x)); on rejection q_r ← norm(max(0, q_r − p_i)) and the next child is tried
+    against that residual. Each try is one speculative-sampling round whose target is what the
+    earlier rejections left, so the token that leaves row r (an accepted child, else a draw from
+    the last residual) follows q_r; an accepted child becomes the row and the walk goes on below.
+    Returns (accepted rows; the token after the last of them)."""
+    row, path = ROOT, []
+    while True:
+        law = q[row]
+        tried: list[int] = []
+        nxt = None
+        for c in tree.children(row):
+            x = tree.tokens[c - 1]
+            p_c = _restricted(tree.drafts[c - 1].p, x, tried, law)
+            if float(torch.rand((), generator=gen, device=law.device)) * p_c[x] <= law[x]:  # u < q/p, no division
+                nxt = c
+                break
+            residual = (law - p_c).clamp_min(0.0)
+            total = law_sum(residual)[0]
+            law = residual / total if total > 0 else law  # q == p up to rounding: q itself
+            tried.append(x)
+        if nxt is None:
+            return path, int(torch.multinomial(law, 1, generator=gen))
+        path.append(nxt)
+        row = nxt
+
+
+def _restricted(p: torch.Tensor | None, x: int, tried: list[int], like: torch.Tensor) -> torch.Tensor:
+    """The law child token x was drawn from: p without the earlier siblings' tokens, renormalized
+    (sampling without replacement); the one-hot of x where no law was given."""
+    if p is None:
+        return torch.zeros_like(like).index_fill_(0, torch.tensor([x], device=like.device), 1.0)
+    if not tried:
+        return p
+    p = p.clone()
+    p[tried] = 0.0
+    return p / law_sum(p)[0]
+
+
 class Sampler:
     """How tokens are chosen from logits, shared by a run's proposer and verifier (one seeded
     generator: a seed reproduces the run). temperature 0 is greedy."""
@@ -101,6 +148,13 @@ class Sampler:
             return greedy_accept(draft, logits.argmax(-1).tolist())
         q = warp(logits, self.temperature, self.top_p)  # [k+1, V]
         return rejection_sample(draft, p if p is not None else q[:0], q, self.gen)
+
+    def accept_tree(self, tree: DraftTree, logits: torch.Tensor) -> tuple[list[int], int]:
+        """(accepted rows, the token after them) for a token tree, given the target's logits
+        [N+1, V] after each row's path (row 0: the root, the newest emitted token)."""
+        if self.greedy:
+            return greedy_path(tree, logits.argmax(-1).tolist())
+        return tree_sample(tree, warp(logits, self.temperature, self.top_p), self.gen)
 
 
 def draft_signals(p: torch.Tensor) -> tuple[float, float]:

@@ -10,10 +10,11 @@ from typing import Callable
 import torch
 
 from engine.decode.records import DraftToken
+from engine.decode.tree import ROOT, DraftTree
 from engine.oracles.sampling import Sampler
 from engine.runtime import invariance
 from engine.runtime.eagle_head import Rows
-from engine.runtime.forward import crop_to, forward_logits
+from engine.runtime.forward import crop_to, forward_logits, forward_tree_logits
 from engine.runtime.kv.cache import held_bytes_per_token, new_cache
 from engine.runtime.kv.calibration import CodecKit
 from engine.runtime.kv.offload import Offloaded, SlowTier, Timing, drop, offload, restore
@@ -130,6 +131,23 @@ class TargetVerifier:
         p = torch.stack([d.p for d in drafted]) if drafted and not self.sampler.greedy else None  # [k, V]
         n, nxt = self.sampler.accept(draft, p, logits)
         return n, self._emit(draft[:n] + [nxt])
+
+    def verify_tree(self, tree: DraftTree) -> tuple[list[int], list[int]]:
+        """One target read of the root (the newest token) and every node of `tree`, each row after
+        its own path; acceptance walks down from the root (greedy, or multi-draft speculative
+        sampling) and the cache keeps the root and the accepted path. Returns (accepted rows,
+        emitted tokens: the accepted nodes' and one of the target's, cut at EOS)."""
+        self.ensure_cache()
+        pair, start = self.pair, len(self.tokens) - 1  # the root's position: the cache holds the rest
+        tree.check(pair.max_context - start, pair.vocab_size)
+        with self.reads():
+            logits, self.cache = forward_tree_logits(pair.target, [self.tokens[-1]] + tree.tokens, self.cache,
+                                                     tree.mask(), tree.positions(start), pair.vocab_size)  # [N+1, V]
+        path, nxt = self.sampler.accept_tree(tree, logits)
+        self.cache.keep_rows(start, [ROOT] + path)
+        if self.feats is not None:
+            self.feats.append(self.pair.feature_tap.last[[ROOT] + path])  # [1 + n, H]: the kept rows' states
+        return path, self._emit([tree.tokens[r - 1] for r in path] + [nxt])
 
     def _emit(self, new: list[int]) -> list[int]:
         eos = next((i for i, x in enumerate(new) if x in self.pair.eos_ids), None)

@@ -8,7 +8,7 @@ import torch
 
 from engine.runtime import preempt
 from engine.runtime.kernels.verify import stock
-from engine.runtime.kv.cache import new_cache
+from engine.runtime.kv.cache import GrowingCache, new_cache
 
 BODY = "speclab_body"  # a draft's lean body read, where it has one (engine/runtime/lean_body.py)
 TARGET_BODY = "speclab_target_body"  # a target's fused read on the row-invariant kernels (row_llama.py)
@@ -35,6 +35,24 @@ def forward_logits(model: torch.nn.Module, ids: list[int], cache, keep: int, voc
     rows = torch.arange(len(ids) - keep, len(ids), device=model.device) if gather else keep
     out = model(input_ids=x, cache=cache, use_cache=True, logits_to_keep=rows)
     return out.logits[0, :, :vocab].float(), out.cache  # [keep, V]
+
+
+def forward_tree_logits(model: torch.nn.Module, ids: list[int], cache, allowed: list[list[bool]],
+                        positions: list[int], vocab: int | None = None) -> tuple[torch.Tensor, object]:
+    """Reads a token tree after what `cache` holds, in one pass (engine/decode/tree.py): row r of
+    `ids` attends to the whole cache and to the rows allowed[r] names, at position positions[r].
+    Returns logits [S, V] (float32) for every row, and the cache, which holds every row until the
+    caller keeps the accepted path (GrowingCache.keep_rows). The mask goes to attention as a 4-D
+    boolean (True: attend), which HF passes through as it stands; the row-invariant attention
+    kernel reads causal masks only, so invariance.py reads a tree's rows one at a time."""
+    assert isinstance(cache, GrowingCache), "a tree read needs SpecLab's growing cache (keep_rows)"
+    past, s = cache.get_seq_length(), len(ids)
+    mask = torch.ones(1, 1, s, past + s, dtype=torch.bool, device=model.device)  # [B, 1, S, past + S]
+    mask[0, 0, :, past:] = torch.tensor(allowed, dtype=torch.bool, device=model.device)
+    x = torch.tensor([ids], device=model.device)  # [B=1, S]
+    pos = torch.tensor([positions], device=model.device)  # [B=1, S]
+    out = model(input_ids=x, attention_mask=mask, position_ids=pos, cache=cache, use_cache=True, logits_to_keep=s)
+    return out.logits[0, :, :vocab].float(), out.cache  # [S, V]
 
 
 def forward_last_state(model: torch.nn.Module, ids: list[int], cache) -> tuple[torch.Tensor, object]:

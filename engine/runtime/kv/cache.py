@@ -134,6 +134,16 @@ class GrowingLayer(DynamicLayer):
             return
         self._len = max(0, self._len + tokens_to_remove)
 
+    def keep_rows(self, start: int, rows: list[int]) -> None:
+        """After a tree verify: the tokens at `start + rows` (increasing) move to `start`, … and the
+        rest past `start` are dropped. Each token is stored on its own, so a move is exact at every tier."""
+        assert rows == sorted(rows) and (not rows or start + rows[-1] < self._len), (start, rows, self._len)
+        src = torch.tensor([start + r for r in rows], device=self._k.device)
+        for buf in (self._k, self._v, self._ks, self._vs):
+            if buf is not None and len(rows):
+                buf[..., start : start + len(rows), :] = buf.index_select(-2, src)
+        self._len = start + len(rows)
+
     def reset(self) -> None:
         self._k = self._v = self._ks = self._vs = None
         self._len = 0
@@ -166,6 +176,11 @@ class GrowingCache(DynamicCache):
                 self.layers.append(self.layer_class_to_replicate())
             self.layers[i].restore(*(_first(q, n) for q in (k, v)))
         return self
+
+    def keep_rows(self, start: int, rows: list[int]) -> None:
+        """Every layer's `keep_rows`: the accepted path of a tree verify, the other nodes dropped."""
+        for layer in self.layers:
+            layer.keep_rows(start, rows)
 
     def bytes_per_token(self) -> int:
         """Bytes held per token over all layers: engine/runtime/kv/tiers.py's `bytes_per_token`."""

@@ -1,0 +1,278 @@
+"""Token trees (engine/decode/tree.py) and their acceptance (engine/oracles/sampling.py): the shape a
+verify reads, greedy acceptance as plain greedy decoding would emit, and multi-draft speculative
+sampling whose emitted tokens follow the target's law (χ², per tree shape and proposal kind)."""
+from __future__ import annotations
+
+import pytest
+import torch
+from test_speculative import _chi2_pvalue
+
+from engine.decode.records import DraftToken
+from engine.decode.tree import ROOT, DraftTree, budget_tree_shape, greedy_path
+from engine.oracles.sampling import Sampler, greedy_accept, tree_sample
+
+
+def _tok(t: int, p: torch.Tensor | None = None) -> DraftToken:
+    return DraftToken(t, 0.0, 1.0, p)
+
+
+def _bushy() -> DraftTree:
+    """root ─┬─ 5 ─┬─ 7 ── 9
+             │     └─ 8
+             └─ 6 ── 7"""
+    tree = DraftTree()
+    a = tree.add(ROOT, _tok(5), "draft")
+    b = tree.add(ROOT, _tok(6), "suffix")
+    c = tree.add(a, _tok(7), "draft")
+    tree.add(a, _tok(8), "draft")
+    tree.add(b, _tok(7), "suffix")
+    tree.add(c, _tok(9), "draft")
+    return tree
+
+
+def test_a_chain_is_the_tree_whose_nodes_each_follow_the_last():
+    gen = torch.Generator().manual_seed(0)
+    for _ in range(200):
+        k = int(torch.randint(0, 6, (), generator=gen))
+        draft = torch.randint(0, 3, (k,), generator=gen).tolist()
+        argmax = torch.randint(0, 3, (k + 1,), generator=gen).tolist()
+        tree = DraftTree.chain([_tok(t) for t in draft])
+        assert tree.is_chain() and tree.size == k and tree.positions(10) == list(range(10, 11 + k))
+        assert tree.mask() == [[c <= r for c in range(k + 1)] for r in range(k + 1)]  # causal
+        path, bonus = greedy_path(tree, argmax)
+        assert (len(path), bonus) == greedy_accept(draft, argmax) and path == list(range(1, len(path) + 1))
+
+
+def test_a_bushy_tree_reads_each_node_after_its_ancestors_only():
+    tree = _bushy()
+    assert tree.size == 6 and tree.max_depth == 3 and not tree.is_chain()
+    assert tree.children(ROOT) == [1, 2] and tree.children(1) == [3, 4] and tree.path(6) == [1, 3, 6]
+    assert tree.positions(40) == [40, 41, 41, 42, 42, 42, 43]
+    m = tree.mask()
+    assert [c for c in range(7) if m[6][c]] == [0, 1, 3, 6]  # root, 5, 7, 9
+    assert [c for c in range(7) if m[5][c]] == [0, 2, 5]  # root, 6, 7: never the other branch
+    assert not any(m[r][c] for r in range(7) for c in range(r + 1, 7))  # nothing after itself
+
+
+def test_greedy_acceptance_walks_the_branch_the_target_chooses():
+    tree = _bushy()
+    #            row: 0  1  2  3  4  5  6
+    assert greedy_path(tree, [5, 7, 1, 9, 2, 3, 4]) == ([1, 3, 6], 4)  # 5 7 9, then the target's 4
+    assert greedy_path(tree, [6, 0, 7, 0, 0, 2, 0]) == ([2, 5], 2)  # the second child, then its 7
+    assert greedy_path(tree, [5, 8, 0, 0, 3, 0, 0]) == ([1, 4], 3)  # the second grandchild
+    assert greedy_path(tree, [4, 0, 0, 0, 0, 0, 0]) == ([], 4)  # no child: a plain step's token
+    logits = torch.full((7, 12), -5.0)
+    logits[torch.arange(7), torch.tensor([5, 7, 1, 9, 2, 3, 4])] = 5.0
+    assert Sampler(0.0, 1.0, 0, torch.device("cpu")).accept_tree(tree, logits) == ([1, 3, 6], 4)
+
+
+def test_a_tree_a_verify_cannot_read_is_refused_in_one_line():
+    tree = _bushy()
+    assert tree.check(context_left=4, vocab=12) is tree
+    with pytest.raises(ValueError, match=r"^a tree 3 deep needs 4 positions; the context leaves 3$"):
+        tree.check(context_left=3, vocab=12)
+    with pytest.raises(ValueError, match=r"^token 9 in the tree is outside the vocabulary \(0…8\)$"):
+        tree.check(context_left=10, vocab=9)
+    tree.add(ROOT, _tok(5), "ngram")
+    with pytest.raises(ValueError, match="same token twice among its children"):
+        tree.check(context_left=10, vocab=12)
+    with pytest.raises(ValueError, match=r"^a tree's node budget must be at least 1, got 0$"):
+        budget_tree_shape(0, 2, 100)
+    with pytest.raises(ValueError, match=r"^a tree's width must be from 1 to the vocabulary \(100\), got 101$"):
+        budget_tree_shape(8, 101, 100)
+
+
+# -- the sampling law ---------------------------------------------------------------------------------
+V = 6
+
+
+def _laws(seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(target, draft): each a law over V tokens per previous token, [V, V], deliberately unlike."""
+    g = torch.Generator().manual_seed(seed)
+    q = torch.softmax(torch.randn(V, V, generator=g) * 1.5, -1)
+    p = torch.softmax(torch.randn(V, V, generator=g) * 1.5, -1)
+    return q, p
+
+
+def _without(p: torch.Tensor, taken: list[int], gen: torch.Generator) -> int:
+    p = p.clone()
+    p[taken] = 0.0
+    return int(torch.multinomial(p / p.sum(), 1, generator=gen))
+
+
+def _grow(last: int, p: torch.Tensor, widths: tuple[int, ...], fixed: dict[int, int], gen) -> DraftTree:
+    """A tree `widths` wide per level, children drawn from the draft without replacement; where
+    `fixed` names a level, its first child is that token with no law (a lookup's proposal)."""
+    tree, level, prev = DraftTree(), [(ROOT, last)], {ROOT: last}
+    for depth, width in enumerate(widths):
+        nxt = []
+        for row, tok in level:
+            taken: list[int] = []
+            for j in range(width):
+                if j == 0 and depth in fixed:
+                    t, law = fixed[depth], None
+                else:
+                    t, law = _without(p[tok], taken, gen), p[tok]
+                taken.append(t)
+                child = tree.add(row, _tok(t, law), "ngram" if law is None else "draft")
+                prev[child] = t
+                nxt.append((child, t))
+        level = nxt
+    return tree
+
+
+@pytest.mark.parametrize("widths,fixed", [((3,), {}), ((2, 2), {}), ((1, 3), {}), ((2, 2), {0: 4, 1: 1})],
+                         ids=["one level of 3", "2 × 2", "chain then 3", "mixed: a lookup's child first"])
+def test_tree_sampling_emits_the_target_law(widths, fixed):
+    """The first two emitted tokens of each trial, against q(x1)·q(x2 | x1), by χ²: whatever the
+    tree's shape and whether a child came with a law or from a lookup."""
+    q, p = _laws(3)
+    gen = torch.Generator().manual_seed(11)
+    last, pairs, N = 2, [], 12000
+    for _ in range(N):
+        tree = _grow(last, p, widths, fixed, gen)
+        rows = [last] + tree.tokens  # the token each row ends with
+        path, bonus = tree_sample(tree, q[torch.tensor(rows)], gen)
+        out = [tree.tokens[r - 1] for r in path] + [bonus]
+        if len(out) == 1:  # nothing accepted: the second token is the target's own next draw
+            out.append(int(torch.multinomial(q[out[0]], 1, generator=gen)))
+        pairs.append(out[0] * V + out[1])
+    joint = (q[last][:, None] * q).reshape(-1)  # [V·V]
+    assert _chi2_pvalue(pairs, joint) > 1e-3
+
+
+# -- one target read of a tree (engine/oracles/target.py verify_tree) ------------------------------------
+def _verifier(pair, prompt: list[int], kv_tier: str = "native"):
+    from engine.oracles.target import TargetVerifier
+
+    v = TargetVerifier(pair, prompt, Sampler(0.0, 1.0, None, pair.device), kv_tier=kv_tier)
+    with torch.inference_mode():  # as every run reads: gradients on take torch's own path
+        v.prefill()
+    return v
+
+
+def test_a_tree_read_scores_each_row_as_a_read_of_its_path_would(tiny_pair):
+    """Every row's logits from one tree read against the same row read as a chain of its own path;
+    after acceptance the cache holds the root and the accepted path only, as a chain's would."""
+    from engine.runtime.forward import forward_logits, forward_tree_logits
+
+    prompt = list(range(3, 40))
+    v = _verifier(tiny_pair, prompt)
+    tree = _bushy()
+    start = len(v.tokens) - 1
+    with torch.inference_mode():
+        logits, cache = forward_tree_logits(tiny_pair.target, [v.tokens[-1]] + tree.tokens, v.cache, tree.mask(),
+                                            tree.positions(start), tiny_pair.vocab_size)  # [7, V]
+        for row in range(tree.size + 1):
+            path = [v.tokens[-1]] + [tree.tokens[r - 1] for r in tree.path(row)]
+            chain, _ = forward_logits(tiny_pair.target, v.tokens[:-1] + path, None, 1, tiny_pair.vocab_size)
+            assert torch.allclose(logits[row], chain[0], atol=1e-5), row
+        cache.keep_rows(start, [ROOT, 1, 3])  # root, 5, 7
+        kept = [layer.keys[0, :, :].clone() for layer in cache.layers]
+        _, fresh = forward_logits(tiny_pair.target, v.tokens[:-1] + [v.tokens[-1], 5, 7], None, 1, tiny_pair.vocab_size)
+    assert cache.get_seq_length() == fresh.get_seq_length() == start + 3
+    assert all(torch.allclose(k, layer.keys[0], atol=1e-5) for k, layer in zip(kept, fresh.layers))
+
+
+def test_decoding_with_bushy_trees_emits_what_hf_generate_does(tiny_pair):
+    """Greedy decoding where every step verifies a tree: the true continuation hidden in a later
+    branch, mixed with wrong branches, or absent. The output equals HF generate's, token for token."""
+    from test_speculative import _hf_greedy
+
+    prompt, n = list(range(5, 30)), 40
+    want = _hf_greedy(tiny_pair, prompt, n)
+    v = _verifier(tiny_pair, prompt)
+    out = [v.tokens[-1]]
+    gen = torch.Generator().manual_seed(1)
+    step = 0
+    with torch.inference_mode():
+        while len(out) < n and not v.ended:
+            done = len(out)
+            true = want[done : done + 3]
+            tree = DraftTree()
+            wrong = [t for t in torch.randperm(tiny_pair.vocab_size, generator=gen).tolist() if t not in true[:1]][:2]
+            tree.add(ROOT, _tok(wrong[0]), "draft")  # a wrong branch first, with a child of its own
+            tree.add(1, _tok(wrong[1]), "draft")
+            if step % 3 != 2 and true:  # the true path second (every third step: no true branch at all)
+                row = tree.add(ROOT, _tok(true[0]), "suffix")
+                for t in true[1:]:
+                    tree.add(row, _tok((t + 1) % tiny_pair.vocab_size), "draft")  # a wrong sibling first
+                    row = tree.add(row, _tok(t), "suffix")
+            path, emitted = v.verify_tree(tree.check(10_000, tiny_pair.vocab_size))
+            out += emitted
+            step += 1
+            assert v.cache.get_seq_length() == len(v.tokens) - 1
+    assert out[:n] == want[:n]
+
+
+@pytest.mark.slow
+def test_on_the_embedded_target_a_tree_row_has_its_chain_reads_bits():
+    """fp32 on the row-invariant kernels (where this CPU builds them): every row of one tree read
+    equals, bit for bit, the plain read of its own path, and decoding where every step verifies a
+    tree emits what plain greedy decoding does."""
+    from engine.lab.generation import encode_prompt
+    from engine.runtime.forward import forward_logits, forward_tree_logits
+    from engine.runtime.kernels import rowdot
+    from engine.runtime.models import load_pair
+
+    if rowdot.unavailable() is not None:
+        pytest.skip(rowdot.unavailable())
+    pair = load_pair(target_tier="fp32", device="cpu")
+    prompt = encode_prompt(pair.tokenizer, "Write a Python function that reverses a string.", chat=True)
+    v = _verifier(pair, prompt)
+    with torch.inference_mode():
+        first, _ = forward_logits(pair.target, list(v.tokens), None, 1, pair.vocab_size)  # [1, V]
+        top = first[0].topk(3).indices.tolist()
+        tree = DraftTree()
+        rows = [tree.add(ROOT, _tok(t), "draft") for t in top]  # three first tokens, two more under each
+        for r in rows:
+            grand = tree.add(r, _tok(top[0]), "draft")
+            tree.add(grand, _tok(top[1]), "draft")
+        start = len(v.tokens) - 1
+        logits, cache = forward_tree_logits(pair.target, [v.tokens[-1]] + tree.tokens, v.cache, tree.mask(),
+                                            tree.positions(start), pair.vocab_size)
+        for row in range(tree.size + 1):
+            path = [v.tokens[-1]] + [tree.tokens[r - 1] for r in tree.path(row)]
+            chain, _ = forward_logits(pair.target, v.tokens[:-1] + path, None, 1, pair.vocab_size)
+            assert torch.equal(logits[row], chain[0]), row
+        cache.crop(-(tree.size + 1))  # back to the context
+        plain = _verifier(pair, prompt)
+        want = [plain.tokens[-1]]
+        while len(want) < 24 and not plain.ended:
+            want += plain.verify([])[1]
+        out = [v.tokens[-1]]
+        while len(out) < 24 and not v.ended:
+            nxt = want[len(out) : len(out) + 2]
+            t = DraftTree()
+            t.add(ROOT, _tok((nxt[0] + 7) % pair.vocab_size), "draft")
+            row = t.add(ROOT, _tok(nxt[0]), "draft")
+            if len(nxt) > 1:
+                t.add(row, _tok(nxt[1]), "draft")
+            out += v.verify_tree(t)[1]
+    assert out[:24] == want[:24]
+
+
+@pytest.mark.parametrize("kv_tier", ["fp8", "int8"])
+def test_at_a_lossy_kv_tier_tree_steps_store_what_plain_steps_store(tiny_pair, kv_tier):
+    """The accepted path's KV moves in its stored form (codes and scales): after tree steps the
+    cache holds, bit for bit, what plain steps at the same tier stored, and the output is theirs."""
+    prompt, n = list(range(7, 31)), 20
+    plain = _verifier(tiny_pair, prompt, kv_tier)
+    with torch.inference_mode():
+        while len(plain.tokens) - len(prompt) < n and not plain.ended:
+            plain.verify([])
+        want = plain.tokens[len(prompt):]
+        v = _verifier(tiny_pair, prompt, kv_tier)
+        while len(v.tokens) < len(plain.tokens) and not v.ended:
+            nxt = want[len(v.tokens) - len(prompt):][:2]
+            tree = DraftTree()
+            tree.add(ROOT, _tok((nxt[0] + 3) % tiny_pair.vocab_size), "draft")
+            row = tree.add(ROOT, _tok(nxt[0]), "draft")
+            if len(nxt) > 1:
+                tree.add(row, _tok(nxt[1]), "draft")
+            v.verify_tree(tree)
+    assert v.tokens[: len(plain.tokens)] == plain.tokens
+    m = min(v.cache.get_seq_length(), plain.cache.get_seq_length())
+    for (ka, va), (kb, vb) in zip(v.cache.stored(m), plain.cache.stored(m)):
+        assert torch.equal(ka.codes, kb.codes) and torch.equal(ka.scale, kb.scale)
+        assert torch.equal(va.codes, vb.codes) and torch.equal(va.scale, vb.scale)
