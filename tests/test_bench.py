@@ -405,3 +405,23 @@ def test_bench_peers_profiles_on_prompts_it_does_not_time_and_counts_divergence(
     assert peers.first_difference([1, 2, 3], [1, 5, 3]) == 1 and peers.first_difference([1, 2], [1, 2, 3]) == 2
     got = peers.divergence({"ref": [[1, 2], [3, 4]], "x": [[1, 2], [3, 5]]}, "ref")
     assert got == {"x": {"differing": 1, "prompts": 2, "first_position": [1]}}
+
+
+def test_trees_bench_measures_tau_and_verify_cost_and_stays_exact(tiny_pair):
+    """bench trees on the tiny pair: chain and trees decode what plain greedy decoding does, τ is
+    at least one token a verify, a tree's best-first growth spends its budget, and the verify is
+    timed at every size beside a plain step."""
+    import torch
+
+    from bench import trees
+    from engine.decode.tree import ROOT
+
+    prompts = [("code", "def add(a, b):"), ("chat", "Hello there, how are you?")]
+    with torch.inference_mode():
+        tree = trees.grow(tiny_pair, [5, 9, 13], 6, 2)
+        res = trees.measure(tiny_pair, prompts, 12, [(6, 2)], reps=1, say=lambda s: None)
+    assert tree.size == 6 and len(tree.children(ROOT)) == 2 and all(len(tree.children(r)) <= 2 for r in range(7))
+    assert res["identical_to_plain"] and res["best_tree"] == "tree:6x2" and set(res["shapes"]) == {"chain:4", "tree:6x2"}
+    assert res["tau_chain"] >= 1 and res["tau_tree"] >= 1
+    assert set(res["verify_ms_by_nodes"]) == {"0", "1", "2", "4", "8", "16"} and res["chain_verify_cost"] > 0
+    assert set(res["verify_ms"]) == {"plain", "chain:4"} | {f"tree:{n}" for n in (0, 1, 2, 4, 8, 16)}
