@@ -37,19 +37,22 @@ def parse(argv: list[str] | None) -> KVOptions:
     base = KVOptions.quick if a.quick else KVOptions.full if a.full else KVOptions
     given = dict(target=a.target, draft=a.draft, target_tier=a.target_tier, device=a.device, window=a.window,
                  max_new_tokens=a.max_new_tokens, db=a.db)
+    if not a.quick:  # the quick run codes one predictor
+        given["predictors"] = [k for k in a.predictors.split(",") if k]
     try:
-        if not a.quick:  # the quick run codes one predictor
-            given["predictors"] = [k for k in a.predictors.split(",") if k]
         for key, value, cast in (("windows", a.windows, int), ("contexts", a.contexts, int),
                                  ("acceptance_tiers", a.acceptance_tiers, str)):
             if value is not None:
                 given[key] = [cast(x) for x in value.split(",") if x]
-        for key in ("context", "prompts_per_task"):
-            if getattr(a, key) is not None:
-                given[key] = getattr(a, key)
+    except ValueError:
+        p.error("--windows and --contexts take comma-separated integers")
+    for key in ("context", "prompts_per_task"):
+        if getattr(a, key) is not None:
+            given[key] = getattr(a, key)
+    try:
         return base(**given).check()
     except ValueError as e:
-        p.error(str(e) if "W must" in str(e) else "--windows and --contexts take comma-separated integers")
+        p.error(str(e))
 
 
 def report(res: dict) -> str:

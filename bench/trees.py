@@ -59,8 +59,6 @@ def grow(pair: ModelPair, context: list[int], nodes: int, width: int) -> DraftTr
             p = torch.softmax(logits[0].float(), -1)
             top = p.topk(width)
             kids[row] = list(zip(top.indices.tolist(), top.values.tolist()))
-        if not kids[row]:
-            continue
         token, prob = kids[row].pop(0)
         child = tree.add(row, DraftToken(token, 0.0, prob), "draft")
         paths[child], cum[child] = paths[row] + [token], cum[row] * prob
@@ -70,10 +68,15 @@ def grow(pair: ModelPair, context: list[int], nodes: int, width: int) -> DraftTr
     return tree
 
 
-def decode(pair: ModelPair, prompt: list[int], max_new: int, nodes: int, width: int) -> tuple[list[int], list[int]]:
-    """Greedy decoding where every step verifies one grown tree: (tokens, tokens emitted per verify)."""
+def _prefilled(pair: ModelPair, prompt: list[int]) -> TargetVerifier:
     v = TargetVerifier(pair, prompt, Sampler(0.0, 1.0, None, pair.device))
     v.prefill()
+    return v
+
+
+def decode(pair: ModelPair, prompt: list[int], max_new: int, nodes: int, width: int) -> tuple[list[int], list[int]]:
+    """Greedy decoding where every step verifies one grown tree: (tokens, tokens emitted per verify)."""
+    v = _prefilled(pair, prompt)
     per_verify = []
     while len(v.tokens) - len(prompt) < max_new and not v.ended:
         left = max_new - (len(v.tokens) - len(prompt))
@@ -83,8 +86,7 @@ def decode(pair: ModelPair, prompt: list[int], max_new: int, nodes: int, width: 
 
 
 def plain(pair: ModelPair, prompt: list[int], max_new: int) -> list[int]:
-    v = TargetVerifier(pair, prompt, Sampler(0.0, 1.0, None, pair.device))
-    v.prefill()
+    v = _prefilled(pair, prompt)
     while len(v.tokens) - len(prompt) < max_new and not v.ended:
         v.verify([])
     return v.tokens[len(prompt):][:max_new]
@@ -93,8 +95,7 @@ def plain(pair: ModelPair, prompt: list[int], max_new: int) -> list[int]:
 def verify_ms(pair: ModelPair, prompt: list[int], sizes: tuple[int, ...], reps: int) -> dict[str, float]:
     """Median ms over `prompt`'s context, in turns per rep: one tree read of each size (`tree:N`),
     and the reads a run takes today, a plain step and a chain's verify (`plain`, `chain:4`)."""
-    v = TargetVerifier(pair, prompt, Sampler(0.0, 1.0, None, pair.device))
-    v.prefill()
+    v = _prefilled(pair, prompt)
     start, root = len(v.tokens) - 1, v.tokens[-1]
     chain = [(7 * i + 11) % pair.vocab_size for i in range(CHAIN)]
     reads = {"plain": lambda: forward_logits(pair.target, [root], v.cache, 1, pair.vocab_size),

@@ -5,7 +5,7 @@ loop hands it only tokens (docs/architecture.md, "Oracles")."""
 from __future__ import annotations
 
 import contextlib
-from typing import Callable
+from typing import Callable, Iterator
 
 import torch
 
@@ -121,10 +121,17 @@ class TargetVerifier:
         self._offloaded = None
         drop(off, slow)
 
+    @contextlib.contextmanager
+    def _verify_reads(self) -> Iterator[None]:
+        """What a verify read runs in, a chain's or a tree's: batch-invariant where the pair verifies
+        exactly, and the KV tier's reads."""
+        with invariance.verifying() if self.pair.exact_verify else contextlib.nullcontext(), self.reads():
+            yield
+
     def verify(self, drafted: list[DraftToken]) -> tuple[int, list[int]]:
         self.ensure_cache()
         pair, draft = self.pair, [d.token_id for d in drafted]
-        with invariance.verifying() if pair.exact_verify else contextlib.nullcontext(), self.reads():
+        with self._verify_reads():
             logits, self.cache = forward_logits(pair.target, [self.tokens[-1]] + draft, self.cache,
                                                 len(draft) + 1, pair.vocab_size)  # [k+1, V]
         self._keep_features()
@@ -140,7 +147,7 @@ class TargetVerifier:
         self.ensure_cache()
         pair, start = self.pair, len(self.tokens) - 1  # the root's position: the cache holds the rest
         tree.check(pair.max_context - start, pair.vocab_size)
-        with self.reads():
+        with self._verify_reads():
             logits, self.cache = forward_tree_logits(pair.target, [self.tokens[-1]] + tree.tokens, self.cache,
                                                      tree.mask(), tree.positions(start), pair.vocab_size)  # [N+1, V]
         path, nxt = self.sampler.accept_tree(tree, logits)

@@ -2,6 +2,7 @@
 invariance probes), cache roll-back, and the device clock."""
 from __future__ import annotations
 
+import contextvars
 import time
 
 import torch
@@ -12,6 +13,10 @@ from engine.runtime.kv.cache import GrowingCache, new_cache
 
 BODY = "speclab_body"  # a draft's lean body read, where it has one (engine/runtime/lean_body.py)
 TARGET_BODY = "speclab_target_body"  # a target's fused read on the row-invariant kernels (row_llama.py)
+# During a tree read (forward_tree_logits), per query row the key indices it attends: every layer's
+# attention reads the same, so it is worked out once per read, and attention that must keep a
+# chain read's bits reads each row over exactly those keys (invariance.py).
+TREE_ROWS: contextvars.ContextVar[list[torch.Tensor] | None] = contextvars.ContextVar("speclab_tree_rows", default=None)
 
 
 def forward_logits(model: torch.nn.Module, ids: list[int], cache, keep: int, vocab: int | None = None,
@@ -44,14 +49,18 @@ def forward_tree_logits(model: torch.nn.Module, ids: list[int], cache, allowed: 
     Returns logits [S, V] (float32) for every row, and the cache, which holds every row until the
     caller keeps the accepted path (GrowingCache.keep_rows). The mask goes to attention as a 4-D
     boolean (True: attend), which HF passes through as it stands; the row-invariant attention
-    kernel reads causal masks only, so invariance.py reads a tree's rows one at a time."""
+    kernel reads causal masks only, so invariance.py reads a tree's rows one at a time (TREE_ROWS)."""
     assert isinstance(cache, GrowingCache), "a tree read needs SpecLab's growing cache (keep_rows)"
     past, s = cache.get_seq_length(), len(ids)
     mask = torch.ones(1, 1, s, past + s, dtype=torch.bool, device=model.device)  # [B, 1, S, past + S]
     mask[0, 0, :, past:] = torch.tensor(allowed, dtype=torch.bool, device=model.device)
     x = torch.tensor([ids], device=model.device)  # [B=1, S]
     pos = torch.tensor([positions], device=model.device)  # [B=1, S]
-    out = model(input_ids=x, attention_mask=mask, position_ids=pos, cache=cache, use_cache=True, logits_to_keep=s)
+    token = TREE_ROWS.set([row.nonzero()[:, 0] for row in mask[0, 0]])
+    try:
+        out = model(input_ids=x, attention_mask=mask, position_ids=pos, cache=cache, use_cache=True, logits_to_keep=s)
+    finally:
+        TREE_ROWS.reset(token)
     return out.logits[0, :, :vocab].float(), out.cache  # [S, V]
 
 

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import functools
 import threading
 import types
 from typing import Iterator
@@ -37,7 +38,7 @@ import torch
 import torch.nn.functional as F
 
 from engine.runtime import lean_body
-from engine.runtime.forward import forward_logits
+from engine.runtime.forward import TREE_ROWS, forward_logits
 from engine.runtime.kernels import int8 as int8_kernel
 from engine.runtime.kernels import rowdot
 from engine.runtime.kernels import verify as verify_kernels
@@ -72,8 +73,8 @@ def rowwise_sdpa(module, query, key, value, attention_mask, **kwargs):
     """query: [B, H, q, D]; key/value: [B, Hkv, past + q, D] → ([B, q, H, D], None)."""
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-    if (rows := tree_rows(attention_mask, query.shape[2])) is not None and _row_exact(module, query, kwargs):
-        return _tree_attention(module, query, key, value, rows, kwargs)
+    if (rows := TREE_ROWS.get()) is not None and (tree := _tree_attention(module, query, key, value, rows, kwargs)):
+        return tree
     if rowdot.attends(module, query, attention_mask, kwargs):  # a target on the row-invariant kernels
         return rowdot.attention(module, query, key, value, **kwargs)
     if _ROW_INVARIANT_READS.get():  # a target made row-invariant for a lossy KV tier
@@ -96,42 +97,24 @@ def rowwise_sdpa(module, query, key, value, attention_mask, **kwargs):
     return torch.cat(rows, dim=1), None
 
 
-def tree_rows(mask: torch.Tensor | None, q_len: int) -> list[torch.Tensor] | None:
-    """Per query row, the key indices a token tree's read lets it attend (engine/decode/tree.py):
-    None for a plain causal read (or none at all), whose rows see every key up to their own."""
-    if mask is None or q_len == 1 or mask.dtype != torch.bool or mask.dim() != 4 or mask.shape[0] != 1:
+def _tree_attention(module, query, key, value, rows: list[torch.Tensor], kwargs) -> tuple[torch.Tensor, None] | None:
+    """A token tree's attention where its rows must equal a chain read's bit for bit (the
+    row-invariant kernels, an exact verify, a lossy KV tier's reads): one row at a time, row i over
+    exactly the keys its own path's chain read would (the past, its ancestors, itself), contiguous
+    and in order, through the attention that chain read takes. None elsewhere: SDPA reads the tree's
+    mask as it stands. query [1, H, q, D], key/value [1, Hkv, past + q, D] → [1, q, H, D]."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    if rowdot.attends(module, query, None, kwargs):
+        attend = rowdot.attention
+    elif _ROW_INVARIANT_READS.get():
+        attend = functools.partial(rowinv_attention, attention_mask=None)
+    elif _VERIFYING.get():
+        attend = functools.partial(sdpa_attention_forward, attention_mask=None)
+    else:
         return None
-    m = mask[0, 0]  # [q, past + q]
-    n = m.shape[-1]
-    if torch.equal(m, torch.ones(q_len, n, dtype=torch.bool, device=m.device).tril(n - q_len)):
-        return None
-    return [row.nonzero()[:, 0] for row in m]
-
-
-def _row_exact(module, query, kwargs) -> bool:
-    """Whether this read's rows must equal a chain read's bit for bit: the row-invariant kernels,
-    an exact verify or a lossy KV tier's reads (elsewhere SDPA reads a tree's mask as it is)."""
-    return bool(rowdot.attends(module, query, None, kwargs) or _VERIFYING.get() or _ROW_INVARIANT_READS.get())
-
-
-def _tree_attention(module, query, key, value, rows: list[torch.Tensor], kwargs) -> tuple[torch.Tensor, None]:
-    """A token tree's attention, one row at a time: row i reads exactly the keys its own path's
-    chain read would (the past, its ancestors, itself), contiguous and in order, as the last row
-    of a read, through the attention a chain read takes, so its bits are that chain's.
-    query [1, H, q, D], key/value [1, Hkv, past + q, D] → [1, q, H, D]."""
-    out = []
-    for i, idx in enumerate(rows):
-        q_i = query[:, :, i : i + 1]
-        k_i, v_i = key.index_select(2, idx), value.index_select(2, idx)  # [1, Hkv, n_i, D], contiguous
-        if rowdot.attends(module, q_i, None, kwargs):
-            o, _ = rowdot.attention(module, q_i, k_i, v_i, **kwargs)
-        elif _ROW_INVARIANT_READS.get():
-            o, _ = rowinv_attention(module, q_i, k_i, v_i, None, **kwargs)
-        else:
-            from transformers.integrations.sdpa_attention import sdpa_attention_forward
-
-            o, _ = sdpa_attention_forward(module, q_i, k_i, v_i, None, **kwargs)
-        out.append(o)
+    out = [attend(module, query[:, :, i : i + 1], key.index_select(2, idx), value.index_select(2, idx), **kwargs)[0]
+           for i, idx in enumerate(rows)]  # each [1, 1, H, D]
     return torch.cat(out, dim=1), None
 
 
