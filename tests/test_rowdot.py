@@ -315,3 +315,35 @@ def test_a_cpu_draft_reads_through_the_kernels_row_invariantly(wide_dirs, draft_
             second, cache = forward_last_state(pair.draft, ids[20:], cache)
             outs.append((first, second, cache.layers[0].keys.clone()))
     assert all(torch.equal(a, b) for a, b in zip(*outs))
+
+
+@pytest.mark.parametrize("tier", ["fp32", "bf16", "int8"])
+def test_the_lean_tree_read_is_hfs_masked_read_bit_for_bit(wide_dirs, tier):
+    """A token tree's read on the fused body (row_llama.TargetBody, each row over its context and
+    its path) equals HF's module-by-module read of the tree under the 4-D mask, logits and cache,
+    for a tree of 18 nodes (past one tile of rows, up to the streamed reads' limit)."""
+    from engine.decode.records import DraftToken
+    from engine.decode.tree import ROOT, DraftTree
+    from engine.runtime.forward import TARGET_BODY, crop_to, forward_logits, forward_tree_logits
+    from engine.runtime.kv.cache import new_cache
+    from engine.runtime.models import load_model
+
+    model = load_model(str(wide_dirs[0]), tier, torch.device("cpu"))
+    if tier in ("fp32", "bf16"):
+        rowdot.convert(model, tier)
+    lean = getattr(model, TARGET_BODY)
+    tree = DraftTree()
+    for i in range(18):  # two children a node, breadth first
+        tree.add(ROOT if i < 2 else (i - 2) // 2 + 1, DraftToken(20 + i, 0.0, 1.0), "draft")
+    outs = {}
+    with torch.inference_mode():
+        _, cache = forward_logits(model, list(range(5, 45)), new_cache(model), 1)
+        start = cache.get_seq_length()
+        for name in ("lean", "hf"):
+            if name == "hf":
+                delattr(model, TARGET_BODY)
+            logits, _ = forward_tree_logits(model, [7] + tree.tokens, cache, tree.mask(), tree.positions(start))
+            outs[name] = [logits] + [layer.keys[..., : cache.get_seq_length(), :].clone() for layer in cache.layers]
+            crop_to(cache, start)
+    setattr(model, TARGET_BODY, lean)
+    assert all(torch.equal(a, b) for a, b in zip(outs["hf"], outs["lean"]))

@@ -276,3 +276,4 @@ def test_at_a_lossy_kv_tier_tree_steps_store_what_plain_steps_store(tiny_pair, k
     for (ka, va), (kb, vb) in zip(v.cache.stored(m), plain.cache.stored(m)):
         assert torch.equal(ka.codes, kb.codes) and torch.equal(ka.scale, kb.scale)
         assert torch.equal(va.codes, vb.codes) and torch.equal(va.scale, vb.scale)
+

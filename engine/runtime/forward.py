@@ -49,11 +49,15 @@ def forward_tree_logits(model: torch.nn.Module, ids: list[int], cache, allowed: 
     Returns logits [S, V] (float32) for every row, and the cache, which holds every row until the
     caller keeps the accepted path (GrowingCache.keep_rows). The mask goes to attention as a 4-D
     boolean (True: attend), which HF passes through as it stands; the row-invariant attention
-    kernel reads causal masks only, so invariance.py reads a tree's rows one at a time (TREE_ROWS)."""
+    kernel reads causal masks only, so invariance.py reads a tree's rows one at a time (TREE_ROWS). A
+    target on the fused read (row_llama.py) reads the tree in it, each row over its context and path."""
     assert isinstance(cache, GrowingCache), "a tree read needs SpecLab's growing cache (keep_rows)"
     past, s = cache.get_seq_length(), len(ids)
+    rows = torch.tensor(allowed, dtype=torch.bool, device=model.device)  # [S, S]
+    if (lean := getattr(model, TARGET_BODY, None)) is not None and not stock() and not torch.is_grad_enabled():
+        return lean(ids, cache, s, (positions, rows))[0, :, :vocab].float(), cache  # row_llama.py: the fused read
     mask = torch.ones(1, 1, s, past + s, dtype=torch.bool, device=model.device)  # [B, 1, S, past + S]
-    mask[0, 0, :, past:] = torch.tensor(allowed, dtype=torch.bool, device=model.device)
+    mask[0, 0, :, past:] = rows
     x = torch.tensor([ids], device=model.device)  # [B=1, S]
     pos = torch.tensor([positions], device=model.device)  # [B=1, S]
     token = TREE_ROWS.set([row.nonzero()[:, 0] for row in mask[0, 0]])

@@ -121,14 +121,19 @@ def install(model: torch.nn.Module, draft: bool = False) -> bool:
     return True
 
 
-def _read_layers(body: torch.nn.Module, ids: list[int], cache) -> torch.Tensor:
+def _read_layers(body: torch.nn.Module, ids: list[int], cache, tree: tuple[list[int], torch.Tensor] | None = None
+                 ) -> torch.Tensor:
     """x [S, H] after every decoder layer (before the final norm) for `ids` read after `cache`,
     which it updates: per layer one native call before the cache's update (norm, q/k/v, rotary)
-    and one after (attention, o_proj, residual, norm, gate/up, SiLU·up, down, residual)."""
+    and one after (attention, o_proj, residual, norm, gate/up, SiLU·up, down, residual).
+    tree: (position per row, allowed [S, S] bool) for a token tree's read (forward_tree_logits),
+    each row at its depth's position, attending to the cache and the rows its mask names."""
     ops = _ops()
     s, past = len(ids), cache.get_seq_length()
     x = body.embed_tokens.forward(torch.tensor(ids, device=body.embed_tokens.weight.device))  # [S, H]
-    positions = torch.arange(past, past + s, device=x.device)[None]  # [1, S]
+    at = tree[0] if tree is not None else range(past, past + s)
+    positions = torch.tensor([list(at)], device=x.device)  # [1, S]
+    allowed = tree[1] if tree is not None else None
     cos, sin = (t[0] for t in body.rotary_emb.forward(x[None], positions))  # [S, D] each
     for layer in body.layers:
         preempt.point()  # a long turn may wait here for a session's first (preempt.py)
@@ -137,7 +142,7 @@ def _read_layers(body: torch.nn.Module, ids: list[int], cache) -> torch.Tensor:
                                 a.v_proj.tensors, cos, sin)  # q [heads, S, D]; k, v [kv heads, S, D]
         k, v = cache.update(k[None], v[None], a.layer_idx)  # [1, kv heads, past + S, D]
         x = ops.layer_post(x, q, k[0], v[0], a.scaling, a.o_proj.tensors, n2.weight, n2.variance_epsilon,
-                           mlp.gate_proj.tensors, mlp.up_proj.tensors, mlp.down_proj.tensors)  # [S, H]
+                           mlp.gate_proj.tensors, mlp.up_proj.tensors, mlp.down_proj.tensors, allowed)  # [S, H]
     return x
 
 
@@ -148,9 +153,11 @@ class TargetBody:
     def __init__(self, model: torch.nn.Module) -> None:
         self.body, self.head = model.get_decoder(), model.get_output_embeddings()
 
-    def __call__(self, ids: list[int], cache, keep: int) -> torch.Tensor:
-        """Logits [1, keep, V] for the last `keep` of `ids`, read after `cache` (updated)."""
-        x = self.body.norm(_read_layers(self.body, ids, cache)[None])  # [1, S, H]; a module call: its hooks run
+    def __call__(self, ids: list[int], cache, keep: int, tree: tuple[list[int], torch.Tensor] | None = None
+                 ) -> torch.Tensor:
+        """Logits [1, keep, V] for the last `keep` of `ids`, read after `cache` (updated); `tree`
+        as `_read_layers` takes it."""
+        x = self.body.norm(_read_layers(self.body, ids, cache, tree)[None])  # [1, S, H]; a module call: its hooks run
         return self.head.forward(x[:, -keep:, :])  # [1, keep, V]
 
 

@@ -289,6 +289,9 @@ constexpr int64_t MAX_K = 8192;
 // (into L2, which every x86 core has at 256 KB or more).
 static inline int64_t ahead_rows(const Weight& w) { return std::max<int64_t>(4, 32768 / w.row_bytes); }
 constexpr int64_t WBLOCK = 32;  // weight rows a long read keeps in cache while blocks of input rows pass
+// Up to this many input rows (a chain's verify, a token tree's) meet each BW weight rows in turn,
+// tile by tile, while those stay in L1: the weights stream from memory once, prefetched as they go.
+constexpr int64_t FEW_ROWS = 3 * TILE;
 
 // Widened weight rows, 64-byte aligned as the tiles read them (a split load costs two).
 struct Buffer {
@@ -303,15 +306,15 @@ struct Buffer {
 // o0 … o0 + n − 1, as `row(o, buf)` gives them — for every output and every input row, over the
 // output rows split between threads. A plain step or verify (m ≤ TILE) streams the weight rows in
 // place, BW at a time, each read prefetching the row `ahead_rows` on (`ahead`: that distance in
-// the row's elements); a longer read (a prefill) goes a block of WBLOCK weight rows at a time, each
+// the row's elements); so does a token tree's read up to FEW_ROWS; a longer read (a prefill) goes
+// a block of WBLOCK weight rows at a time, each
 // met by every block of input rows while it stays in cache. Which rows share a pass never changes
 // an element's arithmetic.
 template <typename Row, typename Dot>
 static void each_row(const Weight& w, int64_t m, Row row, Dot dot) {
   using Ptr = decltype(row(0, (float*)nullptr));
   const bool buffered = w.fmt == I4;  // 4 bits are widened into a buffer, a row at a time
-  if (m <= TILE) {
-    assert(!buffered);
+  if (m <= FEW_ROWS && !buffered) {
     at::parallel_for(0, w.out, 64, [&](int64_t begin, int64_t end) {
       const int64_t ahead = ahead_rows(w) * w.k;
       Ptr rows[BW];
@@ -571,10 +574,13 @@ __attribute__((noinline)) static void add_row(float* x, const float* y, int64_t 
 // keys 0 … N − S + i. Every (head, row) gets the same arithmetic whatever S: its scores by
 // `tile<1>`, their maximum, exp and sum in key order, then Σ p_j · v_j in key order over the sum;
 // a one-row plain step and a verify row at the same position compute the same bits.
-template <typename KV>
+// `key(j)` is the index of the j-th key the row reads: j itself for a causal row, and for a token
+// tree's row the cached context followed by its ancestors and itself (in row order, which is the
+// order a chain read over that path holds them in), so a tree row's bits are that chain row's.
+template <typename KV, typename Key>
 static void attend_row(const float* q, const KV* k, const KV* v, int64_t n, int64_t d, float scale,
-                       float* scores, float* out) {
-  for (int64_t j = 0; j < n; ++j) tile<1>(k + j * d, q, d, scores + j, 1);
+                       float* scores, float* out, Key key) {
+  for (int64_t j = 0; j < n; ++j) tile<1>(k + key(j) * d, q, d, scores + j, 1);
   float mx = -INFINITY;
   for (int64_t j = 0; j < n; ++j) { scores[j] *= scale; mx = scores[j] > mx ? scores[j] : mx; }
   float sum = 0.f;
@@ -583,7 +589,7 @@ static void attend_row(const float* q, const KV* k, const KV* v, int64_t n, int6
     v16 acc[4] = {};
     for (int64_t j = 0; j < n; ++j) {
       const v16 p = v16{} + scores[j];
-      const KV* vj = v + j * d + c;
+      const KV* vj = v + key(j) * d + c;
       acc[0] += p * load_w(vj);
       acc[1] += p * load_w(vj + 16);
       acc[2] += p * load_w(vj + 32);
@@ -599,17 +605,31 @@ static void attend_row(const float* q, const KV* k, const KV* v, int64_t n, int6
 // q [H, S, D] (fp32, contiguous), k/v [Hkv, N, D] (fp32 or bf16: a bf16 cache is read in place,
 // widened in registers, the same values a copy at fp32 would hold) with rows of D contiguous and
 // heads `kv_stride` apart (a cache's view) → out [S, H, D]; head h reads kv head h / (H / Hkv).
+// allowed: null for causal rows, else [S, S] (row r reads row c of the read where allowed[r·S + c],
+// after the N − S cached keys: a token tree's mask).
 template <typename KV>
 static void attend_into(const float* q, const KV* k, const KV* v, int64_t kv_stride, int64_t h, int64_t hkv,
-                        int64_t s, int64_t n, int64_t d, float scale, at::ScalarType t, float* out) {
-  const int64_t group = h / hkv;
+                        int64_t s, int64_t n, int64_t d, float scale, at::ScalarType t, const uint8_t* allowed,
+                        float* out) {
+  const int64_t group = h / hkv, past = n - s;
+  std::vector<std::vector<int64_t>> tails(allowed ? s : 0);  // per tree row: the read's rows it sees
+  for (int64_t r = 0; r < (int64_t)tails.size(); ++r)
+    for (int64_t c = 0; c < s; ++c)
+      if (allowed[r * s + c]) tails[r].push_back(past + c);
   at::parallel_for(0, h * s, 4, [&](int64_t begin, int64_t end) {
     std::vector<float> scores(n);
     for (int64_t w = begin; w < end; ++w) {
       const int64_t head = w / s, row = w % s, kv = head / group;
       float* o = out + (row * h + head) * d;
-      attend_row(q + (head * s + row) * d, k + kv * kv_stride, v + kv * kv_stride, n - s + row + 1, d, scale,
-                 scores.data(), o);
+      const KV *kh = k + kv * kv_stride, *vh = v + kv * kv_stride;
+      const float* qr = q + (head * s + row) * d;
+      if (!allowed) {
+        attend_row(qr, kh, vh, past + row + 1, d, scale, scores.data(), o, [](int64_t j) { return j; });
+      } else {
+        const int64_t* tail = tails[row].data();
+        attend_row(qr, kh, vh, past + (int64_t)tails[row].size(), d, scale, scores.data(), o,
+                   [past, tail](int64_t j) { return j < past ? j : tail[j - past]; });
+      }
       round_to(t, o, d);
     }
   });
@@ -621,20 +641,20 @@ static at::Tensor floats(const at::Tensor& x) { return x.to(at::kFloat).contiguo
 // Keys and values [Hkv, N, D] as attend_into reads them: a cache's fp32 or bf16 view in place
 // (rows of D contiguous, both with one head stride), else copies at fp32.
 static void attend_kv(const float* q, const at::Tensor& keys, const at::Tensor& values, int64_t h, int64_t s,
-                      float scale, at::ScalarType t, float* out) {
+                      float scale, at::ScalarType t, const uint8_t* allowed, float* out) {
   const int64_t d = keys.size(2), n = keys.size(1), hkv = keys.size(0);
   auto in_place = [&](const at::Tensor& x) { return x.stride(2) == 1 && x.stride(1) == d; };
   const auto kt = keys.scalar_type();
   if (kt == values.scalar_type() && (kt == at::kFloat || kt == at::kBFloat16) && in_place(keys) && in_place(values)
       && keys.stride(0) == values.stride(0)) {
     if (kt == at::kFloat)
-      return attend_into(q, keys.data_ptr<float>(), values.data_ptr<float>(), keys.stride(0), h, hkv, s, n, d, scale, t, out);
+      return attend_into(q, keys.data_ptr<float>(), values.data_ptr<float>(), keys.stride(0), h, hkv, s, n, d, scale, t, allowed, out);
     return attend_into(q, reinterpret_cast<const uint16_t*>(keys.data_ptr<at::BFloat16>()),
                        reinterpret_cast<const uint16_t*>(values.data_ptr<at::BFloat16>()), keys.stride(0), h, hkv, s, n,
-                       d, scale, t, out);
+                       d, scale, t, allowed, out);
   }
   at::Tensor kf = floats(keys), vf = floats(values);
-  attend_into(q, kf.data_ptr<float>(), vf.data_ptr<float>(), n * d, h, hkv, s, n, d, scale, t, out);
+  attend_into(q, kf.data_ptr<float>(), vf.data_ptr<float>(), n * d, h, hkv, s, n, d, scale, t, allowed, out);
 }
 
 // The bf16 or fp32 tensor a module hands on, from the fp32 buffer it was computed in.
@@ -673,7 +693,7 @@ at::Tensor attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
   at::Tensor qf = floats(q);
   const int64_t h = q.size(0), s = q.size(1), d = q.size(2);
   at::Tensor out = at::empty({s, h, d}, qf.options());
-  attend_kv(qf.data_ptr<float>(), k, v, h, s, (float)scale, q.scalar_type(), out.data_ptr<float>());
+  attend_kv(qf.data_ptr<float>(), k, v, h, s, (float)scale, q.scalar_type(), nullptr, out.data_ptr<float>());
   return as(out, q.scalar_type());
 }
 
@@ -744,7 +764,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> layer_pre(const at::Tensor& x, co
 
 at::Tensor layer_post(const at::Tensor& x, const at::Tensor& q, const at::Tensor& keys, const at::Tensor& values,
                       double scale, at::TensorList wo, const at::Tensor& ln, double eps, at::TensorList wg,
-                      at::TensorList wu, at::TensorList wd) {
+                      at::TensorList wu, at::TensorList wd, const c10::optional<at::Tensor>& allowed) {
   const at::ScalarType t = x.scalar_type();
   const Weight o = weight_of(wo), g = weight_of(wg), u = weight_of(wu), dn = weight_of(wd);
   const int64_t s = x.size(0), n = x.size(1), h = q.size(0), d = q.size(2);
@@ -752,7 +772,13 @@ at::Tensor layer_post(const at::Tensor& x, const at::Tensor& q, const at::Tensor
               && dn.k == g.out && dn.out == n && keys.sizes() == values.sizes() && h % keys.size(0) == 0, "rowdot: layer_post shapes");
   at::Tensor xf = x.to(at::kFloat, false, /*copy=*/true).contiguous(), qf = floats(q);  // xf: the residual stream, updated
   at::Tensor a = at::empty({s, h * d}, xf.options());  // [S, H · D]
-  attend_kv(qf.data_ptr<float>(), keys, values, h, s, (float)scale, t, a.data_ptr<float>());
+  at::Tensor tree;  // [S, S] uint8: a token tree's mask over the read's rows (none: causal)
+  if (allowed.has_value()) {
+    tree = allowed->to(at::kByte).contiguous();
+    TORCH_CHECK(tree.dim() == 2 && tree.size(0) == s && tree.size(1) == s, "rowdot: layer_post allowed must be [S, S]");
+  }
+  attend_kv(qf.data_ptr<float>(), keys, values, h, s, (float)scale, t, tree.defined() ? tree.data_ptr<uint8_t>() : nullptr,
+            a.data_ptr<float>());
   at::Tensor y = at::empty({s, n}, xf.options());
   matmul(o, a.data_ptr<float>(), s, y.data_ptr<float>());
   round_to(t, y.data_ptr<float>(), y.numel());
@@ -789,5 +815,5 @@ TORCH_LIBRARY(speclab_rowdot, m) {
   m.def("layer_pre(Tensor x, Tensor ln, float eps, Tensor[] wq, Tensor[] wk, Tensor[] wv, Tensor cos, Tensor sin)"
         " -> (Tensor, Tensor, Tensor)", layer_pre);
   m.def("layer_post(Tensor x, Tensor q, Tensor keys, Tensor values, float scale, Tensor[] wo, Tensor ln, float eps,"
-        " Tensor[] wg, Tensor[] wu, Tensor[] wd) -> Tensor", layer_post);
+        " Tensor[] wg, Tensor[] wu, Tensor[] wd, Tensor? allowed=None) -> Tensor", layer_post);
 }
