@@ -1,25 +1,24 @@
 """Do token trees pay here? In ONE run, on held-out prompts (greedy, the chat template), per target tier:
 
-    τ            tokens a target verify emits: a chain of γ = 4 from the draft, and trees the draft
-                 grows best-first (EAGLE-2's rule: the frontier node with the highest cumulative
-                 draft probability gets its next most likely child) to a node budget, at most
-                 `--width` children a node; every step verifies one tree in one target pass
+    live runs    `ar`, the chain `fixed:4` and each `tree:NxW` through the engine's own step loop
+                 (the draft grows each tree level by level, EAGLE-2's rule: oracles/tree_growth.py;
+                 the target verifies it in one read), in turns per prompt: tok/s, τ (tokens a
+                 target verify emits), and each output against HF generate's, token for token
+    ratios       per prompt, then the geometric mean and its 95% interval (t over the prompts' log
+                 ratios): every policy against `ar`, the best tree against the chain
     verify cost  one target read of a tree of N nodes over a held-out prompt's context, timed in
                  turns beside the reads a run takes today (a plain step, a chain of 4's verify), as
                  the ratio to the plain step
-    exactness    every tree run's output against plain greedy decoding (which test_tree.py holds
-                 equal to HF generate): identical, token for token
 
-The draft grows each tree by reading every node's path after the context (one draft read per
-expanded node): what a tree proposes is measured here, not what growing it costs, so no tok/s is
-printed. Whether a tree pays is τ_tree / τ_chain against the verify's cost ratio at that size.
+Whether a tree pays is its τ over the chain's against the verify's cost ratio at its size plus
+what growing it costs the draft; the live runs pay all three.
 
-Run: python -m engine bench trees [--json] [--tiers fp32,bf16] [--nodes 4,8,16]"""
+Run: python -m engine bench trees [--json] [--tiers fp32,bf16] [--nodes 4,8,16] [--width 3]"""
 from __future__ import annotations
 
 import argparse
-import heapq
 import json
+import math
 import statistics
 import sys
 import time
@@ -28,44 +27,18 @@ import torch
 
 from engine.base.flags import add_model_args
 from engine.datasets.prompts import heldout
+from engine.decode.policies.fixed import parse_tree
 from engine.decode.records import DraftToken
-from engine.decode.tree import ROOT, DraftTree, budget_tree_shape
+from engine.decode.tree import ROOT, DraftTree
 from engine.lab.generation import encode_prompt
-from engine.oracles.draft import draft_read
 from engine.oracles.sampling import Sampler
 from engine.oracles.target import TargetVerifier
 from engine.runtime.forward import crop_to, forward_logits, forward_tree_logits
 from engine.runtime.models import ModelPair, load_pair
+from engine.service.generation import Request, open_generation
 
 CHAIN = 4  # the chain every tree is set beside: the default drafts' fixed γ
 VERIFY_NODES = (0, 1, 2, 4, 8, 16)  # tree sizes the verify is timed at
-
-
-def grow(pair: ModelPair, context: list[int], nodes: int, width: int) -> DraftTree:
-    """A tree of `nodes` the draft proposes after `context` (its newest token the root), grown
-    best-first by cumulative draft probability; `nodes` = γ and `width` = 1 is the chain."""
-    budget_tree_shape(nodes, width, pair.vocab_size)
-    _, cache = draft_read(pair, context[:-1], None) if len(context) > 1 else (None, None)
-    held = cache.get_seq_length() if cache is not None else 0
-    tree, paths = DraftTree(), {ROOT: [context[-1]]}
-    kids: dict[int, list[tuple[int, float]]] = {}  # row → its children not yet taken (token, probability)
-    frontier = [(-1.0, ROOT)]  # (−cumulative probability, row): the next node to give a child
-    cum = {ROOT: 1.0}
-    while tree.size < nodes and frontier:
-        _, row = heapq.heappop(frontier)
-        if row not in kids:
-            logits, cache = draft_read(pair, paths[row], cache)  # [1, V]: the draft after row's path
-            crop_to(cache, held)
-            p = torch.softmax(logits[0].float(), -1)
-            top = p.topk(width)
-            kids[row] = list(zip(top.indices.tolist(), top.values.tolist()))
-        token, prob = kids[row].pop(0)
-        child = tree.add(row, DraftToken(token, 0.0, prob), "draft")
-        paths[child], cum[child] = paths[row] + [token], cum[row] * prob
-        heapq.heappush(frontier, (-cum[child], child))  # its own first child
-        if kids[row]:
-            heapq.heappush(frontier, (-cum[row] * kids[row][0][1], row))  # row's next child
-    return tree
 
 
 def _prefilled(pair: ModelPair, prompt: list[int]) -> TargetVerifier:
@@ -74,22 +47,44 @@ def _prefilled(pair: ModelPair, prompt: list[int]) -> TargetVerifier:
     return v
 
 
-def decode(pair: ModelPair, prompt: list[int], max_new: int, nodes: int, width: int) -> tuple[list[int], list[int]]:
-    """Greedy decoding where every step verifies one grown tree: (tokens, tokens emitted per verify)."""
-    v = _prefilled(pair, prompt)
-    per_verify = []
-    while len(v.tokens) - len(prompt) < max_new and not v.ended:
-        left = max_new - (len(v.tokens) - len(prompt))
-        tree = grow(pair, v.tokens, min(nodes, left - 1), width) if left > 1 else DraftTree()
-        per_verify.append(len(v.verify_tree(tree)[1]))
-    return v.tokens[len(prompt):][:max_new], per_verify
+def hf_generate(pair: ModelPair, prompt: list[int], max_new: int) -> list[int]:
+    """HF generate's greedy continuation of `prompt` on the pair's target: the exactness reference."""
+    x = torch.tensor([prompt], device=pair.device)
+    out = pair.target.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=max_new, do_sample=False,
+                               pad_token_id=pair.tokenizer.eos_token_id)
+    return out[0, len(prompt):].tolist()
 
 
-def plain(pair: ModelPair, prompt: list[int], max_new: int) -> list[int]:
-    v = _prefilled(pair, prompt)
-    while len(v.tokens) - len(prompt) < max_new and not v.ended:
-        v.verify([])
-    return v.tokens[len(prompt):][:max_new]
+def live(pair: ModelPair, ids: list[list[int]], policies: list[str], max_new: int) -> dict[str, list[dict]]:
+    """policy → one run per prompt (tokens, tok/s, τ), the policies in turns per prompt after one
+    untimed warm-up run each (the kernels' first reads, the draft's lazy load)."""
+    def one(policy: str, prompt: list[int]) -> dict:
+        gen = open_generation(pair, Request(prompt="", policy=policy, max_new_tokens=max_new), context=None,
+                              prompt_ids=prompt)
+        t0 = time.perf_counter()
+        list(gen)
+        wall = time.perf_counter() - t0
+        return dict(tokens=gen.token_ids, tok_s=len(gen.token_ids) / wall, tau=gen.summary.tokens_per_step)
+
+    for policy in policies:
+        one(policy, ids[0])
+    runs: dict[str, list[dict]] = {p: [] for p in policies}
+    for prompt in ids:
+        for policy in policies:
+            runs[policy].append(one(policy, prompt))
+    return runs
+
+
+def geo_ratio(num: list[float], den: list[float]) -> tuple[float, list[float]]:
+    """The geometric mean of num[i] / den[i] and its 95% interval (t over the log ratios)."""
+    logs = [math.log(a / b) for a, b in zip(num, den)]
+    mean = statistics.fmean(logs)
+    if len(logs) < 2:
+        return math.exp(mean), [math.exp(mean)] * 2
+    from scipy import stats
+
+    half = stats.t.ppf(0.975, len(logs) - 1) * statistics.stdev(logs) / math.sqrt(len(logs))
+    return math.exp(mean), [math.exp(mean - half), math.exp(mean + half)]
 
 
 def verify_ms(pair: ModelPair, prompt: list[int], sizes: tuple[int, ...], reps: int) -> dict[str, float]:
@@ -121,28 +116,31 @@ def verify_ms(pair: ModelPair, prompt: list[int], sizes: tuple[int, ...], reps: 
 def measure(pair: ModelPair, prompts: list[tuple[str, str]], max_new: int, shapes: list[tuple[int, int]],
             reps: int, say=print) -> dict:
     ids = [encode_prompt(pair.tokenizer, p, chat=True) for _, p in prompts]
-    want = [plain(pair, i, max_new) for i in ids]
-    out: dict = dict(prompts=len(ids), max_new_tokens=max_new, shapes={})
-    for nodes, width in [(CHAIN, 1)] + shapes:
-        name = f"chain:{nodes}" if width == 1 else f"tree:{nodes}x{width}"
-        emitted, same = [], True
-        for i, w in zip(ids, want):
-            toks, per = decode(pair, i, max_new, nodes, width)
-            emitted += per
-            same &= toks == w
-        out["shapes"][name] = dict(nodes=nodes, width=width, tau=sum(emitted) / len(emitted), verifies=len(emitted),
-                                   identical_to_plain=same)
-        say(f"  {name:12} τ {out['shapes'][name]['tau']:.3f} over {len(emitted)} verifies, identical {same}")
+    want = [hf_generate(pair, i, max_new) for i in ids]
+    chain, trees = f"fixed:{CHAIN}", [f"tree:{n}x{w}" for n, w in shapes]
+    runs = live(pair, ids, ["ar", chain] + trees, max_new)
+    out: dict = dict(prompts=len(ids), max_new_tokens=max_new, policies={})
+    for policy, rs in runs.items():
+        vs_ar, ci = geo_ratio([r["tok_s"] for r in rs], [r["tok_s"] for r in runs["ar"]])
+        out["policies"][policy] = dict(tok_s=statistics.fmean(r["tok_s"] for r in rs),
+                                       tau=statistics.fmean(r["tau"] for r in rs), vs_ar=vs_ar, vs_ar_ci95=ci,
+                                       identical_to_hf_generate=all(r["tokens"] == w for r, w in zip(rs, want)))
+        p = out["policies"][policy]
+        say(f"  {policy:10} {p['tok_s']:6.1f} tok/s  τ {p['tau']:.3f}  × ar {vs_ar:.3f} [{ci[0]:.3f}, {ci[1]:.3f}]"
+            f"  identical to HF generate {p['identical_to_hf_generate']}")
+    best = max(trees, key=lambda t: out["policies"][t]["tok_s"]) if trees else None
     ms = verify_ms(pair, ids[0], VERIFY_NODES, reps)
-    out["verify_ms"] = ms
-    out["verify_ms_by_nodes"] = {str(n): ms[f"tree:{n}"] for n in VERIFY_NODES}
-    out["verify_cost_by_nodes"] = {str(n): ms[f"tree:{n}"] / ms["plain"] for n in VERIFY_NODES}
-    out["chain_verify_cost"] = ms[f"chain:{CHAIN}"] / ms["plain"]
-    chain = out["shapes"][f"chain:{CHAIN}"]["tau"]
-    trees = {k: s for k, s in out["shapes"].items() if s["width"] > 1}
-    best = max(trees, key=lambda k: trees[k]["tau"]) if trees else None
-    out.update(tau_chain=chain, tau_tree=trees[best]["tau"] if best else None, best_tree=best,
-               identical_to_plain=all(s["identical_to_plain"] for s in out["shapes"].values()))
+    out.update(verify_ms=ms, verify_ms_by_nodes={str(n): ms[f"tree:{n}"] for n in VERIFY_NODES},
+               verify_cost_by_nodes={str(n): ms[f"tree:{n}"] / ms["plain"] for n in VERIFY_NODES},
+               chain_verify_cost=ms[f"chain:{CHAIN}"] / ms["plain"],
+               tau_chain=out["policies"][chain]["tau"],
+               tau_tree=max(out["policies"][t]["tau"] for t in trees) if trees else None,
+               best_tree=best, chain_vs_ar=out["policies"][chain]["vs_ar"],
+               identical_to_hf_generate=all(p["identical_to_hf_generate"] for p in out["policies"].values()))
+    if best:
+        ratio, ci = geo_ratio([r["tok_s"] for r in runs[best]], [r["tok_s"] for r in runs[chain]])
+        out.update(best_tree_vs_ar=out["policies"][best]["vs_ar"], best_tree_vs_chain=ratio, ci95=ci)
+        say(f"  best tree {best}: × the chain {ratio:.3f} [{ci[0]:.3f}, {ci[1]:.3f}]")
     return out
 
 
@@ -151,7 +149,7 @@ def main(argv: list[str] | None = None) -> int:
     add_model_args(p)
     p.add_argument("--tiers", default="fp32", help="target tiers, comma-separated")
     p.add_argument("--prompts-per-task", type=int, default=2, help="held-out prompts per task")
-    p.add_argument("--max-new-tokens", type=int, default=48)
+    p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--nodes", default="4,8,16", help="tree node budgets")
     p.add_argument("--width", type=int, default=3, help="children a node at most")
     p.add_argument("--reps", type=int, default=5, help="timed verify reads per size")
@@ -159,8 +157,10 @@ def main(argv: list[str] | None = None) -> int:
     a = p.parse_args(argv)
     try:
         shapes = [(int(n), a.width) for n in a.nodes.split(",") if n]
-    except ValueError:
-        p.error("--nodes takes comma-separated integers")
+        for n, w in shapes:
+            parse_tree(f"{n}x{w}")
+    except ValueError as e:
+        p.error(str(e) if "tree:" in str(e) else "--nodes takes comma-separated integers")
     prompts = heldout(a.prompts_per_task)[: 4 * a.prompts_per_task]
     say = (lambda s: print(s, file=sys.stderr)) if a.json else print
     res: dict = dict(tiers={})

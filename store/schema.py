@@ -270,6 +270,11 @@ MIGRATIONS: list[str] = [
     """
     ALTER TABLE runs ADD COLUMN engine VARCHAR DEFAULT 'torch';
     """,
+    # 13: token trees (engine/decode/tree.py): a step that verified a tree keeps its shape, the
+    # parent row of each drafted node (empty, or NULL before this version: a chain).
+    """
+    ALTER TABLE steps ADD COLUMN tree_parents INTEGER[];
+    """,
 ]
 
 # Values filled in for a missing key, matching the column DEFAULTs above: inserts go BY

@@ -408,20 +408,23 @@ def test_bench_peers_profiles_on_prompts_it_does_not_time_and_counts_divergence(
 
 
 def test_trees_bench_measures_tau_and_verify_cost_and_stays_exact(tiny_pair):
-    """bench trees on the tiny pair: chain and trees decode what plain greedy decoding does, τ is
-    at least one token a verify, a tree's best-first growth spends its budget, and the verify is
-    timed at every size beside a plain step."""
+    """bench trees on the tiny pair: ar, the chain and a tree run live, each output HF generate's;
+    τ is at least one token a verify, every policy has its ratio to ar with an interval around it,
+    the best tree its ratio to the chain, and the verify is timed at every size beside a plain step."""
     import torch
 
     from bench import trees
-    from engine.decode.tree import ROOT
 
     prompts = [("code", "def add(a, b):"), ("chat", "Hello there, how are you?")]
     with torch.inference_mode():
-        tree = trees.grow(tiny_pair, [5, 9, 13], 6, 2)
         res = trees.measure(tiny_pair, prompts, 12, [(6, 2)], reps=1, say=lambda s: None)
-    assert tree.size == 6 and len(tree.children(ROOT)) == 2 and all(len(tree.children(r)) <= 2 for r in range(7))
-    assert res["identical_to_plain"] and res["best_tree"] == "tree:6x2" and set(res["shapes"]) == {"chain:4", "tree:6x2"}
-    assert res["tau_chain"] >= 1 and res["tau_tree"] >= 1
+    assert res["identical_to_hf_generate"] and res["best_tree"] == "tree:6x2"
+    assert set(res["policies"]) == {"ar", "fixed:4", "tree:6x2"}
+    assert res["tau_chain"] >= 1 and res["tau_tree"] >= 1 and res["policies"]["ar"]["tau"] == 1
+    for p in res["policies"].values():
+        assert p["tok_s"] > 0 and p["vs_ar_ci95"][0] <= p["vs_ar"] <= p["vs_ar_ci95"][1]
+    assert res["ci95"][0] <= res["best_tree_vs_chain"] <= res["ci95"][1] and res["chain_vs_ar"] > 0
     assert set(res["verify_ms_by_nodes"]) == {"0", "1", "2", "4", "8", "16"} and res["chain_verify_cost"] > 0
     assert set(res["verify_ms"]) == {"plain", "chain:4"} | {f"tree:{n}" for n in (0, 1, 2, 4, 8, 16)}
+    with pytest.raises(SystemExit):
+        trees.main(["--nodes", "0"])

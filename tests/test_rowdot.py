@@ -347,3 +347,34 @@ def test_the_lean_tree_read_is_hfs_masked_read_bit_for_bit(wide_dirs, tier):
             crop_to(cache, start)
     setattr(model, TARGET_BODY, lean)
     assert all(torch.equal(a, b) for a, b in zip(outs["hf"], outs["lean"]))
+
+
+def test_a_tree_level_read_after_cached_levels_is_hfs_masked_read(wide_dirs):
+    """A draft grows a tree level by level, earlier levels kept in its cache ([S, T] masks, T > S):
+    the fused body's states equal HF's masked read of the same rows, bit for bit."""
+    from engine.runtime import row_llama
+    from engine.runtime.forward import BODY, crop_to, forward_logits, forward_tree_states
+    from engine.runtime.kv.cache import new_cache
+    from engine.runtime.models import load_model
+
+    model = load_model(str(wide_dirs[0]), "fp32", torch.device("cpu"))
+    rowdot.convert(model, "fp32")
+    assert row_llama.install(model, draft=True)
+    lean = getattr(model, BODY)
+    # level 0: the root; level 1: two children of the root; level 2: a child of each, over the cache
+    reads = [([7], [[True]], [0]), ([20, 21], [[True, True, False], [True, False, True]], [1, 1]),
+             ([30, 31], [[True, True, False, True, False], [True, False, True, False, True]], [2, 2])]
+    outs = {}
+    with torch.inference_mode():
+        _, cache = forward_logits(model, list(range(5, 45)), new_cache(model), 1)
+        start = cache.get_seq_length()
+        for name in ("lean", "hf"):
+            if name == "hf":
+                delattr(model, BODY)
+            outs[name] = []
+            for ids, allowed, depth in reads:
+                outs[name] += forward_tree_states(model, ids, cache, allowed, [start + d for d in depth],
+                                                  list(range(len(ids))))
+            crop_to(cache, start)
+    setattr(model, BODY, lean)
+    assert len(outs["lean"]) == 5 and all(torch.equal(a, b) for a, b in zip(outs["hf"], outs["lean"]))

@@ -277,3 +277,105 @@ def test_at_a_lossy_kv_tier_tree_steps_store_what_plain_steps_store(tiny_pair, k
         assert torch.equal(ka.codes, kb.codes) and torch.equal(ka.scale, kb.scale)
         assert torch.equal(va.codes, vb.codes) and torch.equal(va.scale, vb.scale)
 
+
+
+# -- token trees in runs ------------------------------------------------------------------------------
+
+
+def _tree_run(pair, ids, policy: str, **cfg):
+    from engine.decode.policies import make_policy
+    from engine.lab.generation import GenConfig, Generation
+
+    return Generation(pair, ids, make_policy(policy), GenConfig(**cfg)).run()
+
+
+@pytest.mark.parametrize("policy", ["tree:4x2", "tree:16x4", "tree:3x8"])
+def test_a_tree_policy_run_emits_what_hf_generate_does(tiny_pair, policy):
+    """The draft grows a tree each step (oracles/tree_growth.py), the target verifies it in one
+    read: the output is HF generate's, token for token, and each step records the tree's shape."""
+    from test_speculative import _hf_greedy
+
+    from engine.decode.tree import DraftTree
+
+    ids = list(range(5, 30))
+    gen = _tree_run(tiny_pair, ids, policy, max_new_tokens=40)
+    assert gen.token_ids == _hf_greedy(tiny_pair, ids, 40)
+    nodes, width = map(int, policy.split(":")[1].split("x"))
+    steps = [r for r in gen.records[1:] if r.k_drafted]
+    assert steps and all(len(r.tree_parents) == r.k_drafted <= nodes for r in steps)
+    for r in steps:
+        tree = DraftTree([0] * r.k_drafted, r.tree_parents)
+        assert all(len(tree.children(row)) <= width for row in range(tree.size + 1))
+        assert r.accepted <= tree.max_depth and r.emitted <= r.accepted + 1
+    assert any(r.accepted for r in steps)
+
+
+def test_tree_growth_takes_the_best_paths_by_cumulative_probability():
+    """EAGLE-2's rule on a known law: level by level the most likely children; then the nodes of
+    highest path probability, each after its parent and its earlier siblings."""
+    from engine.oracles.tree_growth import grow, subtree, tree_depth
+
+    vocab = 6
+    laws = {(): [0.5, 0.3, 0.2, 0, 0, 0], (0,): [0, 0, 0, 0.9, 0.1, 0], (1,): [0, 0, 0, 0, 0.6, 0.4],
+            (0, 3): [0.7, 0, 0, 0, 0, 0.3], (0, 4): [1.0, 0, 0, 0, 0, 0], (1, 4): [0, 0.5, 0.5, 0, 0, 0],
+            (1, 5): [0, 0, 0, 0, 0, 1.0]}
+
+    def read(tree, rows):
+        out = []
+        for r in rows:
+            path = tuple(tree.tokens[a - 1] for a in tree.path(r))
+            out.append(torch.tensor(laws.get(path, [1.0 / vocab] * vocab)))
+        return torch.stack(out)
+
+    assert tree_depth(4, 2) == 3 and tree_depth(16, 3) == 7 and tree_depth(1, 2) == 1
+    tree = grow(read, 4, 2, Sampler(0.0, 1.0, None, torch.device("cpu")), "draft")
+    # candidates: 0 (.5), 1 (.3); 0→3 (.45), 0→4 (.05); 1→4 (.18), 1→5 (.12); 0→3→0 (.315) ...
+    assert [tree.tokens[r - 1] for r in tree.path(tree.size)] and tree.size == 4
+    paths = sorted(tuple(tree.tokens[a - 1] for a in tree.path(r)) for r in range(1, 5))
+    assert paths == [(0,), (0, 3), (0, 3, 0), (1,)]
+    sub, at = subtree(tree, [3])
+    assert [sub.tokens[r - 1] for r in sub.path(at[0])] == [tree.tokens[r - 1] for r in tree.path(3)]
+
+
+def test_a_tree_policy_with_a_sampling_run_is_reproducible_and_stored(tiny_pair, tmp_path):
+    """Sampling: the same seed, the same tree steps and output; the steps keep the trees' shapes in
+    the store (schema 13), chains an empty list."""
+    from engine.service.generation import Request, keep, open_generation
+    from store import Store
+
+    req = Request(prompt="abc def ghi", policy="tree:6x3", max_new_tokens=24, temperature=0.8, seed=7, chat=False)
+    runs = [open_generation(tiny_pair, req, context=None) for _ in range(2)]
+    for gen in runs:
+        list(gen)
+    assert runs[0].token_ids == runs[1].token_ids
+    db = str(tmp_path / "t.duckdb")
+    kept = keep(runs[0], req, db)
+    with Store(db) as st:
+        steps = st.steps(kept.run_id).sort_values("step")
+    want = [r.tree_parents for r in runs[0].records]
+    assert [list(p) if p is not None else [] for p in steps["tree_parents"]] == want and any(want)
+
+
+@pytest.mark.parametrize("policy,says", [
+    ("tree:0x3", "node budget N from 1 to 16, got 0"), ("tree:17x3", "got 17"), ("tree:8x1", "width W of at least 2"),
+    ("tree:8xa", "takes two integers"), ("tree:8x3@ngram", "grows token trees with the draft model only, not ngram"),
+    ("tree:8x99999", "width must be from 1 to the vocabulary"),
+])
+def test_a_tree_policy_the_run_cannot_take_is_refused_in_one_line(tiny_pair, policy, says):
+    with pytest.raises(ValueError, match=says) as e:
+        _tree_run(tiny_pair, [5, 6, 7], policy, max_new_tokens=8)
+    assert "\n" not in str(e.value)
+
+
+def test_a_tree_policy_on_llamacpp_or_a_trace_is_refused_in_one_line(tiny_pair):
+    import dataclasses
+
+    from engine.decode.policies import make_policy
+    from engine.lab.generation import check_tree_run
+    from engine.lab.whatif import replay_proposers
+
+    with pytest.raises(ValueError, match="llamacpp engine verifies chains only") as e:
+        check_tree_run(dataclasses.replace(tiny_pair, engine="llamacpp"), "tree:8x3", 8, 3, [])
+    with pytest.raises(ValueError, match="drafts token trees, and traces hold each proposer's chain only") as f:
+        replay_proposers(make_policy("tree:8x3"), {"draft": {1: {}}}, "a prompt")
+    assert "\n" not in str(e.value) + str(f.value)

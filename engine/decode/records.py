@@ -38,9 +38,12 @@ class Action:
     k: int  # draft length γ; 0 = plain decoding (one target forward, one token)
     reuse: int = 0  # prompt positions taken from the cross-request prefix cache (step 0)
     proposer: str = "draft"  # who drafts the k tokens (one of the run's proposers; unused at k = 0)
+    # children a node at most: 1 drafts a chain of k; more, a token tree of at most k nodes
+    # (engine/decode/tree.py), verified in one target read
+    width: int = 1
 
     def __post_init__(self) -> None:
-        assert self.k >= 0 and self.reuse >= 0, self
+        assert self.k >= 0 and self.reuse >= 0 and self.width >= 1, self
 
 
 @dataclass
@@ -68,6 +71,10 @@ class StepRecord:
     kv_tier: str
     reuse: int = 0
     proposer: str = ""  # the proposer that drafted the step; "" when nothing was drafted (k_drafted == 0)
+    # A token tree's shape: the parent row of each drafted node (0: the root, the newest token
+    # before the step; node i is row i + 1), in the order the signals and k_drafted count them;
+    # empty for a chain. `accepted` is then the length of the accepted root path.
+    tree_parents: list[int] = field(default_factory=list)
 
 
 @dataclass

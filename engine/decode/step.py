@@ -18,6 +18,7 @@ from engine.decode.records import (
     StepRecord,
     signal_summary,
 )
+from engine.decode.tree import DraftTree
 
 
 class Proposer(Protocol):
@@ -40,6 +41,10 @@ class Proposer(Protocol):
         draft it takes `emitted` as context."""
         ...
 
+    # A proposer that drafts token trees also has
+    #   propose_tree(nodes, width) -> DraftTree: at most `nodes` nodes, at most `width` children a node
+    # and hears the step's outcome through `update` as a step that drafted nothing.
+
 
 class Verifier(Protocol):
     ended: bool  # the last emitted token ends the text (EOS, or the end of a stored trace)
@@ -52,6 +57,10 @@ class Verifier(Protocol):
 
     def verify(self, drafted: list[DraftToken]) -> tuple[int, list[int]]:
         """(accepted n, emitted tokens: the accepted ones and one of the target's, cut at EOS)."""
+        ...
+
+    def verify_tree(self, tree: DraftTree) -> tuple[list[int], list[int]]:
+        """(accepted rows, root first below it; emitted tokens, as `verify`'s) for a token tree."""
         ...
 
 
@@ -106,19 +115,31 @@ def decode(proposers: dict[str, Proposer] | Proposer, verifier: Verifier, policy
         k = min(action.k, remaining - 1)  # never draft past the budget: the bonus token needs a slot
         assert action.k == 0 or action.proposer in proposers, (action.proposer, tuple(proposers))
         t1 = clock()
-        drafted = proposers[action.proposer].propose(k, lambda j, token: policy.keep_drafting(state, j, token)) if k else []
+        tree = None
+        if k and action.width > 1:  # a token tree of at most k nodes, one verify read
+            tree = proposers[action.proposer].propose_tree(k, action.width)
+            drafted = tree.drafts
+        else:
+            drafted = proposers[action.proposer].propose(k, lambda j, token: policy.keep_drafting(state, j, token)) if k else []
         t2 = clock()
-        n, emitted = verifier.verify(drafted)
+        if tree is not None:
+            path, emitted = verifier.verify_tree(tree)
+            n = len(path)
+        else:
+            n, emitted = verifier.verify(drafted)
         t3 = clock()
         assert 0 < len(emitted) <= remaining and n <= len(drafted), (n, len(drafted), len(emitted), remaining)
         for p in proposers.values():
             p.update(n, emitted)
         name = action.proposer if drafted else ""
-        acc.update(n, len(drafted))
+        trials = tree.max_depth if tree is not None else len(drafted)  # a tree's path is at most its depth
+        acc.update(n, trials)
         if name:
-            by.setdefault(name, AcceptanceEWMA()).update(n, len(drafted))
+            by.setdefault(name, AcceptanceEWMA()).update(n, trials)
         rec = _record(len(history), position, action, name, drafted, emitted, min(n, len(emitted)),
                       (t2 - t1, t3 - t2, t1 - t0), run)
+        if tree is not None:
+            rec.tree_parents = list(tree.parents)
         policy.observe(rec)
         history.append(rec)
         yield rec

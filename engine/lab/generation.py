@@ -13,6 +13,7 @@ from engine.base.names import check_kv_tier
 from engine.decode.policies import Policy
 from engine.decode.records import RunSummary, StepRecord
 from engine.decode.step import Setting, decode, summarize
+from engine.decode.tree import budget_tree_shape
 from engine.oracles import build, check_proposers, target_verifier
 from engine.oracles.sampling import Sampler
 from engine.oracles.suffix import SuffixHistory, prompt_key
@@ -59,6 +60,16 @@ def encode_messages(tokenizer, messages: list[dict]) -> list[int]:
     return tokenizer(text, add_special_tokens=False)["input_ids"]
 
 
+def check_tree_run(pair: ModelPair, policy: str, nodes: int, width: int, others: list[str]) -> None:
+    """A tree policy's run, before any model runs: a shape the vocabulary allows, proposers that
+    grow trees, a target engine that verifies them; else one ValueError line."""
+    budget_tree_shape(nodes, width, pair.vocab_size)
+    if others:
+        raise ValueError(f"policy {policy} grows token trees with the draft model only, not {', '.join(others)}")
+    if pair.engine != "torch":
+        raise ValueError(f"the {pair.engine} engine verifies chains only: run {policy} on torch")
+
+
 @dataclass
 class Generation:
     """One generation. Iterate it to stream `StepRecord`s; afterwards `summary`, `token_ids`
@@ -90,6 +101,9 @@ class Generation:
                              f"{self.pair.max_context}")
         # Checked here, before any model runs: a proposer the pair cannot run is a ValueError.
         self.proposers = check_proposers(self.pair, getattr(self.policy, "proposers", None))
+        if (growers := getattr(self.policy, "tree_proposers", None)) is not None:  # a policy that drafts token trees
+            check_tree_run(self.pair, self.policy.name, self.policy.nodes, self.policy.width,
+                           [p for p in self.proposers if p not in growers])
         self.seed = self.cfg.seed
         if self.seed is None and self.cfg.temperature > 0:
             self.seed = random.randrange(2**31)

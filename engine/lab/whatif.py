@@ -75,6 +75,9 @@ def replay_proposers(policy: Policy, traced: dict[str, dict[int, dict]], prompt:
     """The proposers a replay of `policy` runs, in the canonical order (as a live run builds
     them): those it names, else every traced one; ValueError in one line for one not traced."""
     wanted = getattr(policy, "proposers", None)
+    if getattr(policy, "tree_proposers", None) is not None:
+        raise ValueError(f"policy {policy.name} drafts token trees, and traces hold each proposer's chain only: "
+                         "run it live (Compare, or `python -m engine generate`)")
     if not traced:  # a one-token output has no positions: nothing is ever drafted
         return tuple(wanted or ("draft",))
     if wanted is None:

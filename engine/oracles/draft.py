@@ -10,10 +10,12 @@ import torch
 
 from engine.decode.records import UNBOUNDED, DraftToken
 from engine.decode.step import draft_tokens
+from engine.decode.tree import ROOT, DraftTree, budget_tree_shape
 from engine.oracles.sampling import Sampler, draft_signals
+from engine.oracles.tree_growth import grow
 from engine.runtime import invariance
-from engine.runtime.forward import crop_to, forward_last_state, forward_logits
-from engine.runtime.kv.cache import new_cache
+from engine.runtime.forward import crop_to, forward_last_state, forward_logits, forward_tree_states
+from engine.runtime.kv.cache import GrowingCache, new_cache
 from engine.runtime.models import ModelPair
 from engine.runtime.prefix.cache import Hit, fill
 from engine.runtime.vocab_head import SubHead
@@ -82,15 +84,19 @@ class DraftModelProposer:
         hit = self.hit()
         return hit.draft_positions() if self.pair.draft_row_invariant or hit.kind == "exact" else 0
 
-    def propose(self, k: int, keep_drafting: Callable[[int, DraftToken], bool]) -> list[DraftToken]:
-        self._drafted = 0
-        if k == 0:
-            return []
+    def _read_prompt(self) -> None:
+        """The draft's lazy prefill, at its first draft: the prompt after the prefix cache's positions."""
         if self.cache is None:
             reused = self._reusable()
             self.cache = fill(new_cache(self.pair.draft), self.hit().entry.draft_kv, reused) if reused else None
             if reused < len(self.prompt_ids):
                 _, self.cache = self._read(self.prompt_ids[reused:])
+
+    def propose(self, k: int, keep_drafting: Callable[[int, DraftToken], bool]) -> list[DraftToken]:
+        self._drafted = 0
+        if k == 0:
+            return []
+        self._read_prompt()
         self._kept = self.cache.get_seq_length() + len(self.pending)
         feed = self.pending
 
@@ -107,6 +113,48 @@ class DraftModelProposer:
         drafted = draft_tokens(k, keep_drafting, next_token)
         self._drafted = len(drafted)
         return drafted
+
+    def propose_tree(self, nodes: int, width: int) -> DraftTree:
+        """A token tree of at most `nodes` after the context (oracles/tree_growth.py), each level
+        one tree read of the draft. Its cache keeps the context only: the accepted nodes are read
+        again, as context, before the next draft (`update` hears them as a step that drafted none)."""
+        budget_tree_shape(nodes, width, self.pair.vocab_size)
+        self._drafted = 0
+        self._read_prompt()
+        if len(self.pending) > 1:  # all but the newest token, the tree's root
+            _, self.cache = self._read(self.pending[:-1])
+            del self.pending[:-1]
+        if not isinstance(self.cache, GrowingCache):
+            raise ValueError(f"the draft {self.pair.draft_name}'s cache cannot read token trees "
+                             "(a sliding-window or recurrent model): draft chains instead")
+        start, root = self.cache.get_seq_length(), self.pending[-1]
+        held: dict[int, int] = {}  # tree row → its place in the cache after `start` (levels read so far)
+
+        def read(tree: DraftTree, rows: list[int]) -> torch.Tensor:
+            """The draft's laws after `rows` (one level), read after the levels before it, which
+            the cache keeps: each row attends to the context, its ancestors and itself."""
+            before = len(held)
+            allowed = [[False] * (before + len(rows)) for _ in rows]  # [S, T]: over the tree's keys
+            for i, r in enumerate(rows):
+                for a in ([ROOT] + tree.path(r)[:-1]) if r != ROOT else []:
+                    allowed[i][held[a]] = True
+                allowed[i][before + i] = True
+            held.update({r: before + i for i, r in enumerate(rows)})
+            ids = [root] if rows == [ROOT] else [tree.tokens[r - 1] for r in rows]
+            states = forward_tree_states(self.pair.draft, ids, self.cache, allowed,
+                                         [start + tree.depth(r) for r in rows], list(range(len(rows))))  # [1, H] each
+            if self.head is None:
+                logits = self.pair.draft.get_output_embeddings()(torch.cat(states))  # [len(rows), V]
+                laws = self.sampler.law(logits[:, : self.pair.vocab_size].float())
+            else:  # the sub-head's law over its K ids, spread over the target's (zero off the head)
+                laws = torch.stack([self.head.spread(self.sampler.law(self.head.logits(h)[0]), self.pair.vocab_size)
+                                    for h in states])
+            return laws
+
+        try:
+            return grow(read, nodes, width, self.sampler, self.name)
+        finally:
+            crop_to(self.cache, start)  # the context only
 
     def update(self, accepted: int, emitted: list[int]) -> None:
         if not self._drafted:

@@ -43,29 +43,59 @@ def forward_logits(model: torch.nn.Module, ids: list[int], cache, keep: int, voc
 
 
 def forward_tree_logits(model: torch.nn.Module, ids: list[int], cache, allowed: list[list[bool]],
-                        positions: list[int], vocab: int | None = None) -> tuple[torch.Tensor, object]:
+                        positions: list[int], vocab: int | None = None, rows: list[int] | None = None
+                        ) -> tuple[torch.Tensor, object]:
     """Reads a token tree after what `cache` holds, in one pass (engine/decode/tree.py): row r of
     `ids` attends to the whole cache and to the rows allowed[r] names, at position positions[r].
-    Returns logits [S, V] (float32) for every row, and the cache, which holds every row until the
+    Returns logits [S, V] (float32) for every row ([len(rows), V] for those `rows` only: a draft
+    growing a tree scores its newest level), and the cache, which holds every row until the
     caller keeps the accepted path (GrowingCache.keep_rows). The mask goes to attention as a 4-D
     boolean (True: attend), which HF passes through as it stands; the row-invariant attention
     kernel reads causal masks only, so invariance.py reads a tree's rows one at a time (TREE_ROWS). A
     target on the fused read (row_llama.py) reads the tree in it, each row over its context and path."""
     assert isinstance(cache, GrowingCache), "a tree read needs SpecLab's growing cache (keep_rows)"
-    past, s = cache.get_seq_length(), len(ids)
-    rows = torch.tensor(allowed, dtype=torch.bool, device=model.device)  # [S, S]
+    s = len(ids)
+    allowed_rows = torch.tensor(allowed, dtype=torch.bool, device=model.device)  # [S, S]
     if (lean := getattr(model, TARGET_BODY, None)) is not None and not stock() and not torch.is_grad_enabled():
-        return lean(ids, cache, s, (positions, rows))[0, :, :vocab].float(), cache  # row_llama.py: the fused read
-    mask = torch.ones(1, 1, s, past + s, dtype=torch.bool, device=model.device)  # [B, 1, S, past + S]
-    mask[0, 0, :, past:] = rows
-    x = torch.tensor([ids], device=model.device)  # [B=1, S]
-    pos = torch.tensor([positions], device=model.device)  # [B=1, S]
+        out = lean(ids, cache, s, (positions, allowed_rows))[0]  # row_llama.py: the fused read
+        return (out if rows is None else out[rows])[:, :vocab].float(), cache
+    keep = s if rows is None else torch.tensor(rows, device=model.device)
+    out = _tree_call(model, ids, cache, allowed_rows, positions, logits_to_keep=keep)
+    return out.logits[0, :, :vocab].float(), cache  # [S, V]
+
+
+def forward_tree_states(model: torch.nn.Module, ids: list[int], cache, allowed: list[list[bool]],
+                        positions: list[int], rows: list[int]) -> list[torch.Tensor]:
+    """As forward_tree_logits, through the body only: the final-norm state of each of `rows`, each
+    copied into a contiguous [1, H] block (as forward_last_state). `allowed` is [S, T], over the
+    last T keys: a tree grown level by level has its earlier levels in the cache (T − S rows),
+    which a row reads only where they are its ancestors."""
+    assert isinstance(cache, GrowingCache), "a tree read needs SpecLab's growing cache (keep_rows)"
+    allowed_rows = torch.tensor(allowed, dtype=torch.bool, device=model.device)  # [S, T]
+    lean = getattr(getattr(model, BODY, None), "tree", None)  # a draft on the kernels' fused read (row_llama.py)
+    if lean is not None and not stock() and not torch.is_grad_enabled():
+        x = lean(ids, cache, (positions, allowed_rows))  # [S, H]
+    else:
+        x = _tree_call(model.get_decoder(), ids, cache, allowed_rows, positions).last_hidden_state[0]  # [S, H]
+    return [x[r : r + 1].contiguous() for r in rows]  # [1, H] each
+
+
+def _tree_call(module: torch.nn.Module, ids: list[int], cache, allowed: torch.Tensor, positions: list[int], **kw):
+    """HF's forward of `module` (a causal LM or its body) over a tree's rows: the mask [S, T] over
+    the last T keys (every row reads the rest of the cache), as a 4-D boolean, and each row's key
+    indices for invariance.py (TREE_ROWS)."""
+    device = allowed.device
+    past, s, t = cache.get_seq_length(), len(ids), allowed.shape[1]
+    assert s <= t <= past + s, (s, t, past)
+    mask = torch.ones(1, 1, s, past + s, dtype=torch.bool, device=device)  # [B, 1, S, past + S]
+    mask[0, 0, :, past + s - t :] = allowed
+    x = torch.tensor([ids], device=device)  # [B=1, S]
+    pos = torch.tensor([positions], device=device)  # [B=1, S]
     token = TREE_ROWS.set([row.nonzero()[:, 0] for row in mask[0, 0]])
     try:
-        out = model(input_ids=x, attention_mask=mask, position_ids=pos, cache=cache, use_cache=True, logits_to_keep=s)
+        return module(input_ids=x, attention_mask=mask, position_ids=pos, cache=cache, use_cache=True, **kw)
     finally:
         TREE_ROWS.reset(token)
-    return out.logits[0, :, :vocab].float(), out.cache  # [S, V]
 
 
 def forward_last_state(model: torch.nn.Module, ids: list[int], cache) -> tuple[torch.Tensor, object]:

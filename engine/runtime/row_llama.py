@@ -170,3 +170,7 @@ class DraftBody:
 
     def __call__(self, ids: list[int], cache) -> torch.Tensor:
         return self.body.norm(_read_layers(self.body, ids, cache)[-1:])  # [1, H]
+
+    def tree(self, ids: list[int], cache, tree: tuple[list[int], torch.Tensor]) -> torch.Tensor:
+        """The final-norm state of every row of a token tree's read [S, H] (`_read_layers`' tree)."""
+        return self.body.norm(_read_layers(self.body, ids, cache, tree))

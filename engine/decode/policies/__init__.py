@@ -15,7 +15,7 @@ from typing import Callable
 from engine.decode.acceptance import Predictor
 from engine.decode.costs import CostTable
 from engine.decode.policies.base import BasePolicy, Policy
-from engine.decode.policies.fixed import FixedPolicy
+from engine.decode.policies.fixed import FixedPolicy, parse_tree
 from engine.decode.policies.heuristic import HeuristicPolicy
 from engine.decode.policies.learned import SpeckvPolicy
 from engine.decode.policies.rakv import ALPHA0 as RAKV_ALPHA0
@@ -85,6 +85,8 @@ _FACTORIES: dict[str, tuple[Callable[[str | None, PolicyContext], Policy], str]]
     # when the run has reuse on (--no-reuse: "no reuse").
     "reuse-only": (lambda a, c: FixedPolicy(0, "reuse-only") if a is None else _no_arg("reuse-only"), "reuse-only"),
     "joint": (lambda a, c: FixedPolicy(_int_arg("joint", a or "4"), f"joint:{a or 4}"), "joint:4"),
+    # a token tree every step (engine/decode/tree.py): N nodes at most, W children a node at most
+    "tree": (lambda a, c: parse_tree(a), "tree:8x3"),
 }
 NEEDS_CONTEXT = ("speckv", "speckv-rf", "speckv-paper", "rakv")
 CHOOSERS = NEEDS_CONTEXT  # the policies that choose a proposer per step; the others draft with one

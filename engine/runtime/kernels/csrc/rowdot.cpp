@@ -605,17 +605,18 @@ static void attend_row(const float* q, const KV* k, const KV* v, int64_t n, int6
 // q [H, S, D] (fp32, contiguous), k/v [Hkv, N, D] (fp32 or bf16: a bf16 cache is read in place,
 // widened in registers, the same values a copy at fp32 would hold) with rows of D contiguous and
 // heads `kv_stride` apart (a cache's view) → out [S, H, D]; head h reads kv head h / (H / Hkv).
-// allowed: null for causal rows, else [S, S] (row r reads row c of the read where allowed[r·S + c],
-// after the N − S cached keys: a token tree's mask).
+// allowed: null for causal rows, else [S, T] over the last T ≥ S keys (a token tree's rows, those
+// cached before this read and the read's own): row r reads key N − T + c where allowed[r·T + c],
+// after the N − T keys every row reads.
 template <typename KV>
 static void attend_into(const float* q, const KV* k, const KV* v, int64_t kv_stride, int64_t h, int64_t hkv,
                         int64_t s, int64_t n, int64_t d, float scale, at::ScalarType t, const uint8_t* allowed,
-                        float* out) {
-  const int64_t group = h / hkv, past = n - s;
-  std::vector<std::vector<int64_t>> tails(allowed ? s : 0);  // per tree row: the read's rows it sees
+                        int64_t tree_keys, float* out) {
+  const int64_t group = h / hkv, past = allowed ? n - tree_keys : n - s;
+  std::vector<std::vector<int64_t>> tails(allowed ? s : 0);  // per tree row: the tree's keys it sees
   for (int64_t r = 0; r < (int64_t)tails.size(); ++r)
-    for (int64_t c = 0; c < s; ++c)
-      if (allowed[r * s + c]) tails[r].push_back(past + c);
+    for (int64_t c = 0; c < tree_keys; ++c)
+      if (allowed[r * tree_keys + c]) tails[r].push_back(past + c);
   at::parallel_for(0, h * s, 4, [&](int64_t begin, int64_t end) {
     std::vector<float> scores(n);
     for (int64_t w = begin; w < end; ++w) {
@@ -641,20 +642,20 @@ static at::Tensor floats(const at::Tensor& x) { return x.to(at::kFloat).contiguo
 // Keys and values [Hkv, N, D] as attend_into reads them: a cache's fp32 or bf16 view in place
 // (rows of D contiguous, both with one head stride), else copies at fp32.
 static void attend_kv(const float* q, const at::Tensor& keys, const at::Tensor& values, int64_t h, int64_t s,
-                      float scale, at::ScalarType t, const uint8_t* allowed, float* out) {
+                      float scale, at::ScalarType t, const uint8_t* allowed, int64_t tree_keys, float* out) {
   const int64_t d = keys.size(2), n = keys.size(1), hkv = keys.size(0);
   auto in_place = [&](const at::Tensor& x) { return x.stride(2) == 1 && x.stride(1) == d; };
   const auto kt = keys.scalar_type();
   if (kt == values.scalar_type() && (kt == at::kFloat || kt == at::kBFloat16) && in_place(keys) && in_place(values)
       && keys.stride(0) == values.stride(0)) {
     if (kt == at::kFloat)
-      return attend_into(q, keys.data_ptr<float>(), values.data_ptr<float>(), keys.stride(0), h, hkv, s, n, d, scale, t, allowed, out);
+      return attend_into(q, keys.data_ptr<float>(), values.data_ptr<float>(), keys.stride(0), h, hkv, s, n, d, scale, t, allowed, tree_keys, out);
     return attend_into(q, reinterpret_cast<const uint16_t*>(keys.data_ptr<at::BFloat16>()),
                        reinterpret_cast<const uint16_t*>(values.data_ptr<at::BFloat16>()), keys.stride(0), h, hkv, s, n,
-                       d, scale, t, allowed, out);
+                       d, scale, t, allowed, tree_keys, out);
   }
   at::Tensor kf = floats(keys), vf = floats(values);
-  attend_into(q, kf.data_ptr<float>(), vf.data_ptr<float>(), n * d, h, hkv, s, n, d, scale, t, allowed, out);
+  attend_into(q, kf.data_ptr<float>(), vf.data_ptr<float>(), n * d, h, hkv, s, n, d, scale, t, allowed, tree_keys, out);
 }
 
 // The bf16 or fp32 tensor a module hands on, from the fp32 buffer it was computed in.
@@ -693,7 +694,7 @@ at::Tensor attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
   at::Tensor qf = floats(q);
   const int64_t h = q.size(0), s = q.size(1), d = q.size(2);
   at::Tensor out = at::empty({s, h, d}, qf.options());
-  attend_kv(qf.data_ptr<float>(), k, v, h, s, (float)scale, q.scalar_type(), nullptr, out.data_ptr<float>());
+  attend_kv(qf.data_ptr<float>(), k, v, h, s, (float)scale, q.scalar_type(), nullptr, 0, out.data_ptr<float>());
   return as(out, q.scalar_type());
 }
 
@@ -772,13 +773,14 @@ at::Tensor layer_post(const at::Tensor& x, const at::Tensor& q, const at::Tensor
               && dn.k == g.out && dn.out == n && keys.sizes() == values.sizes() && h % keys.size(0) == 0, "rowdot: layer_post shapes");
   at::Tensor xf = x.to(at::kFloat, false, /*copy=*/true).contiguous(), qf = floats(q);  // xf: the residual stream, updated
   at::Tensor a = at::empty({s, h * d}, xf.options());  // [S, H · D]
-  at::Tensor tree;  // [S, S] uint8: a token tree's mask over the read's rows (none: causal)
+  at::Tensor tree;  // [S, T] uint8: a token tree's mask over its last T keys (none: causal)
   if (allowed.has_value()) {
     tree = allowed->to(at::kByte).contiguous();
-    TORCH_CHECK(tree.dim() == 2 && tree.size(0) == s && tree.size(1) == s, "rowdot: layer_post allowed must be [S, S]");
+    TORCH_CHECK(tree.dim() == 2 && tree.size(0) == s && tree.size(1) >= s && tree.size(1) <= keys.size(1),
+                "rowdot: layer_post allowed must be [S, T], S ≤ T ≤ the keys");
   }
   attend_kv(qf.data_ptr<float>(), keys, values, h, s, (float)scale, t, tree.defined() ? tree.data_ptr<uint8_t>() : nullptr,
-            a.data_ptr<float>());
+            tree.defined() ? tree.size(1) : 0, a.data_ptr<float>());
   at::Tensor y = at::empty({s, n}, xf.options());
   matmul(o, a.data_ptr<float>(), s, y.data_ptr<float>());
   round_to(t, y.data_ptr<float>(), y.numel());

@@ -1,0 +1,86 @@
+"""Growing a token tree from a model's laws: EAGLE-2's dynamic tree, in whole levels.
+
+Expansion: the model reads level d's nodes in one tree read (each row after its own path) and
+each gets `width` children, the law's most likely tokens (greedy) or draws from it without
+replacement (sampling); the `width` children of highest cumulative probability (the product of
+the laws along the path) form level d + 1. Selection: the `nodes` candidates of highest cumulative
+probability, taken best first so that a node comes after its parent and after its earlier siblings
+(a node's siblings are tried in the order they were drawn, which multi-draft sampling's law
+needs: oracles/sampling.py `tree_sample`). A level's read costs about one draft step, so a tree
+`depth` deep costs `depth` draft reads, as a chain of that length does.
+
+Shapes: a law is [V] (float32); `read(tree, rows)` returns [len(rows), V]: the laws after those
+rows' paths (row 0, the root, is the newest emitted token)."""
+from __future__ import annotations
+
+import heapq
+import math
+from typing import Callable
+
+import torch
+
+from engine.decode.records import K_MAX, DraftToken
+from engine.decode.tree import ROOT, DraftTree
+from engine.oracles.sampling import Sampler, draft_signals
+
+
+def tree_depth(nodes: int, width: int) -> int:
+    """Levels a tree of `nodes` at `width` is grown to: deep enough for a path through the budget
+    left after a first level of `width`, at most K_MAX (the longest chain a policy may draft)."""
+    return max(1, min(nodes, K_MAX, math.ceil(nodes / width) + 1))
+
+
+def _children(law: torch.Tensor, width: int, sampler: Sampler) -> list[int]:
+    """`width` tokens under `law`: its most likely (greedy), else drawn without replacement (never
+    more than the tokens the law gives any mass)."""
+    if sampler.greedy:
+        return law.topk(width).indices.tolist()
+    n = min(width, int((law > 0).sum()))
+    return torch.multinomial(law, n, replacement=False, generator=sampler.gen).tolist()
+
+
+def grow(read: Callable[[DraftTree, list[int]], torch.Tensor], nodes: int, width: int, sampler: Sampler,
+         proposer: str) -> DraftTree:
+    """A tree of at most `nodes` nodes grown under the laws `read` gives (see the module's text)."""
+    cand = DraftTree()  # every candidate drawn, in draw order
+    cum = {ROOT: 1.0}  # row → cumulative probability of its path
+    level = [ROOT]
+    for _ in range(tree_depth(nodes, width)):
+        laws = read(cand, level)  # [len(level), V]
+        born = []
+        for row, law in zip(level, laws):
+            signals = draft_signals(law)
+            for token in _children(law, width, sampler):
+                child = cand.add(row, DraftToken(token, *signals, p=law), proposer)
+                cum[child] = cum[row] * float(law[token])
+                born.append(child)
+        level = heapq.nlargest(width, born, key=cum.__getitem__)
+    return _select(cand, cum, nodes)
+
+
+def _select(cand: DraftTree, cum: dict[int, float], nodes: int) -> DraftTree:
+    """The `nodes` best candidates, each after its parent and its earlier siblings, as a tree."""
+    kids = {row: cand.children(row) for row in range(cand.size + 1)}
+    out, new_row = DraftTree(), {ROOT: ROOT}
+    frontier = [(-cum[kids[ROOT][0]], kids[ROOT][0])] if kids[ROOT] else []
+    while frontier and out.size < nodes:
+        _, row = heapq.heappop(frontier)
+        parent = cand.parent(row)
+        new_row[row] = out.add(new_row[parent], cand.drafts[row - 1], cand.proposers[row - 1])
+        siblings = kids[parent]
+        after = siblings.index(row) + 1
+        if after < len(siblings):  # its next sibling becomes eligible
+            heapq.heappush(frontier, (-cum[siblings[after]], siblings[after]))
+        if kids[row]:  # and its first child
+            heapq.heappush(frontier, (-cum[kids[row][0]], kids[row][0]))
+    return out
+
+
+def subtree(tree: DraftTree, rows: list[int]) -> tuple[DraftTree, list[int]]:
+    """The rows of `tree` on the paths to `rows` (their ancestors and themselves), as a tree of its
+    own, and where `rows` went in it: what a model reads to score `rows`."""
+    keep = sorted({a for r in rows for a in tree.path(r)})
+    out, at = DraftTree(), {ROOT: ROOT}
+    for r in keep:
+        at[r] = out.add(at[tree.parent(r)], tree.drafts[r - 1], tree.proposers[r - 1])
+    return out, [at[r] for r in rows]
