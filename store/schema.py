@@ -271,9 +271,11 @@ MIGRATIONS: list[str] = [
     ALTER TABLE runs ADD COLUMN engine VARCHAR DEFAULT 'torch';
     """,
     # 13: token trees (engine/decode/tree.py): a step that verified a tree keeps its shape, the
-    # parent row of each drafted node (empty, or NULL before this version: a chain).
+    # parent row of each drafted node (empty, or NULL before this version: a chain), and every
+    # step the tokens it drafted (a chain's, a tree's nodes in row order; NULL before).
     """
     ALTER TABLE steps ADD COLUMN tree_parents INTEGER[];
+    ALTER TABLE steps ADD COLUMN draft_ids INTEGER[];
     """,
 ]
 

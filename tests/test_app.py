@@ -140,6 +140,28 @@ def test_a_policy_with_a_named_proposer_drafts_with_it(app_env):
     assert run["policy"] == "fixed:4@ngram" and list(steps["proposer"]) == list(table["proposer"])
 
 
+def test_a_tree_policy_draws_each_steps_tree_with_its_accepted_path(app_env):
+    """tree:4x2 on the Live page: the result draws a step's token tree (Graphviz), the slider walks
+    the tree steps, and the steps are stored with their trees' shapes and drafted tokens."""
+    at = _app()
+    at.text_area(key="live_prompt").set_value("abc abc abc abc abc")
+    at.text_input(key="live_policy_spec").set_value("tree:4x2")  # typed: any shape (the box offers tree:8x3)
+    at.number_input(key="live_max_new").set_value(16)
+    press_generate(at)
+    assert not at.exception and not _errors(at), _errors(at)
+    dots = at.get("graphviz_chart")
+    assert len(dots) == 1 and "digraph tree" in dots[0].proto.spec and "n0 -> n1" in dots[0].proto.spec
+    with Store(app_env) as store:
+        steps = store.steps(store.runs().iloc[0]["run_id"])
+    trees = steps[steps["k_drafted"] > 0]
+    assert len(trees) and all(len(p) == len(d) == k for p, d, k in
+                              zip(trees["tree_parents"], trees["draft_ids"], trees["k_drafted"]))
+    sliders = at.select_slider(key="live_tree_step") if len(trees) > 1 else None
+    if sliders is not None:
+        sliders.set_value(int(trees["step"].iloc[-1])).run()
+        assert not at.exception and len(at.get("graphviz_chart")) == 1
+
+
 def test_bad_policy_is_one_line_error(app_env):
     at = _app()
     at.text_input(key="live_policy_spec").set_value("fixed:99")

@@ -80,3 +80,16 @@ def test_compare_and_runs_charts_are_valid_and_keep_the_rows_order(validator):
     heat = K.best_gamma_chart(best)
     _valid(validator, heat)
     assert list(heat.data["label"]) == ["γ 4 · 51.5 tok/s"]  # a tier with nothing measured has no cell
+
+
+def test_a_tree_step_is_drawn_with_its_accepted_path_and_the_targets_token():
+    from views.charts import accepted_rows, tree_dot
+
+    parents, drafted = [0, 0, 1, 1, 2], [5, 6, 7, 8, 7]  # root ─ 5 ─ {7, 8};  root ─ 6 ─ 7
+    assert accepted_rows(parents, drafted, [6, 7]) == [2, 5]
+    assert accepted_rows(parents, drafted, [5, 9]) == [1] and accepted_rows(parents, drafted, []) == []
+    dot = tree_dot("x", ["a", "b", 'say "hi"', "\\n", " "], parents, [2, 5], "z")
+    assert dot.startswith("digraph tree {") and dot.endswith("}")
+    assert 'n5 [label="say \\"hi\\"", fillcolor="white"]' not in dot  # on the path: filled
+    assert 'fillcolor="#9be39b"' in dot and "n2 -> n5 [penwidth=2.5" in dot and "n0 -> n1;" in dot
+    assert 'n5 -> b [style=dashed, label="target"]' in dot

@@ -49,7 +49,7 @@ def make_steps(n: int = 2) -> list[dict[str, Any]]:
         "token_ids": [11], "mean_entropy": None, "max_entropy": float("nan"),
         "mean_confidence": None, "min_confidence": None, "entropies": [], "confidences": [],
         "draft_ms": 0.0, "verify_ms": 7.5, "decide_ms": 0.01, "context_len": 5, "reuse": 0,
-        "target_tier": "fp16", "kv_tier": "int8", "proposer": "", "tree_parents": [],
+        "target_tier": "fp16", "kv_tier": "int8", "proposer": "", "tree_parents": [], "draft_ids": [],
     }]
     for i in range(1, n):
         steps.append({
@@ -60,6 +60,7 @@ def make_steps(n: int = 2) -> list[dict[str, Any]]:
             "draft_ms": 3.5, "verify_ms": 8.0, "decide_ms": 0.02, "context_len": 6 + i,
             "reuse": 5, "target_tier": "fp16", "kv_tier": "int8", "proposer": "draft",
             "tree_parents": [0, 1, 0, 3] if i == 2 else [],  # step 2 verified a token tree
+            "draft_ids": [22, 33, 50, 51],
         })
     return steps
 

@@ -190,3 +190,41 @@ def best_gamma_chart(best: pd.DataFrame) -> Chart:
                       {"mark": {"type": "text", "color": "white", "fontWeight": "bold"},
                        "encoding": {"text": _n("label")}}]}
     return Chart(cells, spec)
+
+
+# -- a token tree's step ------------------------------------------------------------------------------
+def accepted_rows(parents: list[int], drafted: list[int], accepted: list[int]) -> list[int]:
+    """The tree rows (1…N) the target accepted, root first: down from the root (row 0), the child
+    whose token is the next accepted one. parents[i], drafted[i]: node i + 1's parent row and token."""
+    row, path = 0, []
+    for token in accepted:
+        nxt = next((i + 1 for i, (p, t) in enumerate(zip(parents, drafted)) if p == row and t == token), None)
+        if nxt is None:
+            break
+        path.append(nxt)
+        row = nxt
+    return path
+
+
+def _dot_text(text: str) -> str:
+    shown = text.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\\\n")
+    return shown if shown.strip() else repr(text)[1:-1] or "∅"
+
+
+def tree_dot(root: str, texts: list[str], parents: list[int], path: list[int], bonus: str | None) -> str:
+    """Graphviz DOT of one step's token tree, left to right: the root (the newest token before the
+    step), each drafted node under its parent, the accepted path filled, and the target's own token
+    after it (dashed). texts[i]: node i + 1's token as text."""
+    on = set(path)
+    lines = ["digraph tree {", "rankdir=LR;", 'node [shape=box, style="rounded,filled", fillcolor=white, '
+             'fontname="monospace", fontsize=11];', f'n0 [label="{_dot_text(root)}", fillcolor="#e8e8e8"];']
+    for i, (text, parent) in enumerate(zip(texts, parents), start=1):
+        fill = "#9be39b" if i in on else "white"
+        lines.append(f'n{i} [label="{_dot_text(text)}", fillcolor="{fill}"];')
+        lines.append(f"n{parent} -> n{i}" + (' [penwidth=2.5, color="#2e8b57"]' if i in on else "") + ";")
+    if bonus is not None:
+        last = path[-1] if path else 0
+        lines.append(f'b [label="{_dot_text(bonus)}", style="rounded,dashed"];')
+        lines.append(f'n{last} -> b [style=dashed, label="target"];')
+    lines.append("}")
+    return "\n".join(lines)

@@ -13,7 +13,7 @@ from engine.service import DEFAULT_POLICY, POLICY_EXAMPLES, WORKBENCH_PROMPT, si
 from engine.service.costs.jobs import MEASURER
 from engine.service.generation import Request, check
 from engine.service.session import LiveRun, LiveSnapshot, start_live
-from views.charts import step_chart
+from views.charts import accepted_rows, step_chart, tree_dot
 from views.common import engine_key, get_pair, get_prefix_cache, get_suffix_history, settings, show_error
 
 RUN_KEY = "live_run"  # the session's LiveRun (running or the last one)
@@ -212,7 +212,29 @@ def show_result(run: LiveRun, snap: LiveSnapshot) -> None:
                    f"{p['refused']} refused; {p.get('spilled_entries', 0)} spilled to disk "
                    f"({p.get('spill_bytes', 0) / 2**20:.1f} MiB), {p.get('spill_hits', 0)} brought back")
     getattr(st, snap.stored.level)(snap.stored.message)
+    tree_panel(snap, tok)
     st.dataframe(step_table(snap.steps, tok), hide_index=True, width="stretch")
+
+
+def tree_panel(snap: LiveSnapshot, tok) -> None:
+    """A tree policy's steps, one at a time: what the draft grew, the path the target accepted,
+    the token the target added, and what the step cost."""
+    trees = [r for r in snap.steps if r.get("tree_parents")]
+    if not trees:
+        return
+    st.subheader("Token trees")
+    numbers = [r["step"] for r in trees]
+    pick = st.select_slider("Step", numbers, value=numbers[0], key="live_tree_step") if len(numbers) > 1 else numbers[0]
+    r = next(r for r in trees if r["step"] == pick)
+    before = snap.token_ids[: r["position"]]
+    root = tok.decode(before[-1:], skip_special_tokens=False)
+    texts = [tok.decode([t], skip_special_tokens=False) for t in r["draft_ids"]]
+    path = accepted_rows(r["tree_parents"], r["draft_ids"], r["token_ids"][: r["accepted"]])
+    bonus = r["token_ids"][len(path)] if len(r["token_ids"]) > len(path) else None
+    st.graphviz_chart(tree_dot(root, texts, r["tree_parents"], path,
+                               None if bonus is None else tok.decode([bonus], skip_special_tokens=False)))
+    st.caption(f"Step {r['step']}: {r['k_drafted']} nodes drafted ({r['draft_ms']:.1f} ms), {r['accepted']} "
+               f"accepted, {r['emitted']} emitted by one verify ({r['verify_ms']:.1f} ms) · {r.get('why', '')}")
 
 
 def step_table(steps: list[dict], tok) -> pd.DataFrame:

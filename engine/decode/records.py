@@ -75,6 +75,7 @@ class StepRecord:
     # before the step; node i is row i + 1), in the order the signals and k_drafted count them;
     # empty for a chain. `accepted` is then the length of the accepted root path.
     tree_parents: list[int] = field(default_factory=list)
+    draft_ids: list[int] = field(default_factory=list)  # the drafted tokens (a chain's, or a tree's nodes in row order)
 
 
 @dataclass

@@ -165,7 +165,7 @@ def _record(step: int, position: int, action: Action, proposer: str, drafted: li
         emitted=len(emitted), token_ids=list(emitted), **signal_summary(ents, confs), entropies=ents,
         confidences=confs, draft_ms=ms[0], verify_ms=ms[1], decide_ms=ms[2],
         context_len=run.n_prompt + position, target_tier=run.target_tier, kv_tier=run.kv_tier, reuse=action.reuse,
-        proposer=proposer,
+        proposer=proposer, draft_ids=[d.token_id for d in drafted],
     )
 
 
