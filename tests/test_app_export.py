@@ -127,3 +127,16 @@ def test_write_directory_writes_a_checked_export(app_env, tmp_path):
     at.button(key="export_dir_write").click().run()  # the same directory again: one line, nothing lost
     errors = _errors(at)
     assert len(errors) == 1 and "exists and is not an empty directory" in errors[0], errors
+
+
+def test_a_tree_policy_adds_its_static_tree_as_a_fifth_form(app_env):
+    at = _export_page()
+    at.text_input(key="export_policy").set_value("tree:6x2").run()
+    assert not at.exception and not _errors(at), _errors(at)
+    codes = [c.value for c in at.code]
+    assert len(codes) == 5 and len(at.get("download_button")) == 5
+    tree = json.loads(codes[4])
+    assert len(tree["tree_choices"]) == 6 and tree["tree_choices"][0] == [0] and "prior" in tree["from"]
+    assert json.loads(codes[3])["num_speculative_tokens"] == tree["depth"]
+    assert any("no token-tree field" in i.value for i in at.info) or any(
+        "no token-tree field" in c.value for c in at.caption)

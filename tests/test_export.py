@@ -321,3 +321,30 @@ def test_vllm_fields_are_read_from_the_source_as_written():
     assert vllm_fields(VLLM_LIKE) == {"fields": ["n", "method", "custom", "target_model_config"],
                                       "engine_set_fields": ["custom", "target_model_config"],
                                       "methods": ["a", "b", "c", "d"]}
+
+
+def test_a_tree_policy_exports_its_static_tree_and_a_chain_as_deep_where_engines_verify_chains(tmp_path):
+    """tree:NxW: the `tree` format lists the N best rank paths (EAGLE's tree_choices) by the
+    prior, then by the per-rank acceptance its stored tree steps measured; HF and vLLM (no tree
+    field at the pinned release) get a chain of γ = the tree's depth, and the notes say so."""
+    from store import Store
+
+    cfg = TunedConfig(policy="tree:8x3")
+    prior = json.loads(ex.render(cfg, "tree"))
+    assert prior["tree_choices"] == [[0], [0, 0], [1], [0, 0, 0], [0, 1], [1, 0], [0, 0, 0, 0], [2]]
+    assert prior["depth"] == 4 == cfg.gamma_max and "prior" in prior["from"] and "tree_choices" in json.dumps(prior)
+    assert ex.vllm_speculative_config(cfg)["num_speculative_tokens"] == 4
+    assert hf_generate_kwargs(cfg)["num_assistant_tokens"] == 4
+    assert any("no token-tree field" in n and "γ = 4" in n for n in ex.notes(cfg))
+    db = tmp_path / "t.duckdb"
+    # 60 stored tree steps where the target always took the second child of the root, then stopped
+    step = {"step": 1, "position": 1, "k_chosen": 2, "k_drafted": 2, "accepted": 1, "emitted": 2, "token_ids": [8, 9],
+            "tree_parents": [0, 0], "draft_ids": [7, 8], "proposer": "draft"}
+    with Store(db) as st:
+        for i in range(30):
+            st.add_run({"policy": "tree:8x3", "prompt": str(i)}, [dict(step, step=1), dict(step, step=2, position=3)])
+    measured = json.loads(ex.render(cfg, "tree", str(db)))
+    assert "60 tree nodes" in measured["from"] and measured["rank_acceptance"] == [0.0, 1.0, 0.0]
+    assert measured["tree_choices"][:2] == [[0], [1]]  # a rank comes after the ranks below it
+    with pytest.raises(ValueError, match="the tree format is for tree:NxW policies"):
+        ex.render(TunedConfig(policy="fixed:4"), "tree")

@@ -313,7 +313,7 @@ def test_a_tree_policy_run_emits_what_hf_generate_does(tiny_pair, policy):
 def test_tree_growth_takes_the_best_paths_by_cumulative_probability():
     """EAGLE-2's rule on a known law: level by level the most likely children; then the nodes of
     highest path probability, each after its parent and its earlier siblings."""
-    from engine.oracles.tree_growth import grow, subtree, tree_depth
+    from engine.oracles.tree_growth import grow, subtree
 
     vocab = 6
     laws = {(): [0.5, 0.3, 0.2, 0, 0, 0], (0,): [0, 0, 0, 0.9, 0.1, 0], (1,): [0, 0, 0, 0, 0.6, 0.4],
@@ -327,7 +327,6 @@ def test_tree_growth_takes_the_best_paths_by_cumulative_probability():
             out.append(torch.tensor(laws.get(path, [1.0 / vocab] * vocab)))
         return torch.stack(out)
 
-    assert tree_depth(4, 2) == 3 and tree_depth(16, 3) == 7 and tree_depth(1, 2) == 1
     tree = grow(read, 4, 2, Sampler(0.0, 1.0, None, torch.device("cpu")), "draft")
     # candidates: 0 (.5), 1 (.3); 0→3 (.45), 0→4 (.05); 1→4 (.18), 1→5 (.12); 0→3→0 (.315) ...
     assert [tree.tokens[r - 1] for r in tree.path(tree.size)] and tree.size == 4
@@ -379,3 +378,45 @@ def test_a_tree_policy_on_llamacpp_or_a_trace_is_refused_in_one_line(tiny_pair):
     with pytest.raises(ValueError, match="drafts token trees, and traces hold each proposer's chain only") as f:
         replay_proposers(make_policy("tree:8x3"), {"draft": {1: {}}}, "a prompt")
     assert "\n" not in str(e.value) + str(f.value)
+
+
+def test_a_grown_tree_of_n_nodes_is_the_first_n_rows_of_a_larger_one():
+    """Levels are read only while the selection may use them, so every node budget at one width
+    takes a prefix of one best-first order: what a trace can record once for every tree policy.
+    A shallow budget reads fewer levels than a deep one."""
+    from engine.oracles.tree_growth import grow
+
+    vocab = 7
+
+    def law(path: tuple[int, ...]) -> torch.Tensor:
+        g = torch.Generator().manual_seed(hash(path) % (2**31))
+        return torch.softmax(3 * torch.randn(vocab, generator=g), -1)
+
+    for width in (2, 3):
+        levels: dict[int, int] = {}
+
+        def read(tree, rows, budget):
+            levels[budget] = levels.get(budget, 0) + 1
+            return torch.stack([law(tuple(tree.tokens[a - 1] for a in tree.path(r))) for r in rows])
+
+        greedy = Sampler(0.0, 1.0, None, torch.device("cpu"))
+        big = grow(lambda t, r: read(t, r, 16), 16, width, greedy, "draft")
+        for n in range(1, 16):
+            small = grow(lambda t, r: read(t, r, n), n, width, greedy, "draft")
+            assert small.tokens == big.tokens[:n] and small.parents == big.parents[:n], (width, n)
+        assert levels[1] == 1 and levels[2] <= levels[16] and levels[16] <= 8
+
+
+def test_rank_paths_acceptance_by_rank_and_the_static_tree_they_give():
+    """A tree in EAGLE/Medusa's rank-path form; how often the target took each rank's child of a
+    reached node; the N best rank paths under those rates, each after its parent and lower ranks."""
+    from engine.decode.tree import rank_acceptance, rank_paths, static_choices
+
+    assert rank_paths([0, 0, 1, 1, 2]) == [(0,), (1,), (0, 0), (0, 1), (1, 0)]
+    steps = [([0, 0, 1, 1, 2], [5, 6, 7, 8, 7], [6, 7]),  # root → rank 1 → its rank 0 → a leaf
+             ([0, 0], [1, 2], [])]  # root reached, nothing taken
+    assert rank_acceptance(steps, 3) == ([1 / 3, 1 / 2, 0.0], 3)
+    assert static_choices([0.6, 0.24, 0.096], 8, 3, 8) == [(0,), (0, 0), (1,), (0, 0, 0), (0, 1), (1, 0),
+                                                          (0, 0, 0, 0), (2,)]
+    assert static_choices([0.9, 0.05], 4, 2, 2) == [(0,), (0, 0), (1,), (0, 1)]  # depth 2 at most
+    assert static_choices([0.6], 3, 3, 8) == [(0,), (0, 0), (0, 0, 0)]  # one rank known: a chain

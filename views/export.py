@@ -21,13 +21,15 @@ from views.common import engine_key, settings, show_error
 PREFILL_KEY = "export_prefill"
 DEFAULT_TIER = "default"  # the draft tier's "loader's default" choice
 FORMAT_LABELS = {"json": "SpecLab JSON", "yaml": "SpecLab YAML", "hf": "HF generate kwargs",
-                 "vllm": "vLLM speculative_config", "llamacpp": "llama.cpp (llama-server)"}
+                 "vllm": "vLLM speculative_config", "llamacpp": "llama.cpp (llama-server)", "tree": "Token tree"}
 
 
 def formats_of(cfg: TunedConfig) -> list[str]:
     """The export formats offered for `cfg`: llama.cpp's for a setting tuned on that engine (its γ
-    was chosen on llama.cpp's costs; a torch engine's would not carry over)."""
-    return [f for f in FORMAT_LABELS if f != "llamacpp" or cfg.engine == "llamacpp"]
+    was chosen on llama.cpp's costs; a torch engine's would not carry over), the static token tree
+    for a tree policy."""
+    return [f for f in FORMAT_LABELS if (f != "llamacpp" or cfg.engine == "llamacpp")
+            and (f != "tree" or cfg.policy_name == "tree")]
 
 
 def _prefill(db: str, target: str | None, draft: str | None, engine: str) -> TunedConfig:
@@ -91,7 +93,7 @@ def _form(base: TunedConfig, target: str | None, draft: str | None) -> TunedConf
     )
 
 
-def _show(cfg: TunedConfig) -> None:
+def _show(cfg: TunedConfig, db: str) -> None:
     bundle = export_bundle(cfg)
     stem = default_name(cfg).replace("/", "_").replace(":", "-")
     texts = {"json": to_json(cfg), "yaml": to_yaml(cfg), "hf": json.dumps(bundle["hf_generate_kwargs"], indent=2),
@@ -102,6 +104,8 @@ def _show(cfg: TunedConfig) -> None:
             texts["llamacpp"] = render(cfg, "llamacpp")
         except ValueError as e:  # a proposer llama.cpp has no counterpart of: said, not raised
             texts["llamacpp"] = ValueError(one_line(e))
+    if "tree" in formats_of(cfg):
+        texts["tree"] = render(cfg, "tree", db)
     for tab, (fmt, text) in zip(st.tabs([FORMAT_LABELS[f] for f in texts]), texts.items()):
         with tab:
             if text is None:
@@ -118,6 +122,10 @@ def _show(cfg: TunedConfig) -> None:
             if fmt == "vllm":
                 f = vllm_fields()
                 st.caption(f"Field names of SpeculativeConfig at vLLM {f['release']} ({f['source']}).")
+            if fmt == "tree":
+                st.caption("The tree as engines with a fixed tree read it: rank paths (0: a node's most likely child), "
+                           "best first by the acceptance per rank its stored runs measured (`from`), and which engine "
+                           "reads which field (`read_by`).")
             if fmt == "llamacpp":
                 st.caption("llama-server's arguments, each checked against the pinned build's flags. "
                            "\"Write directory\" below also writes the draft as a GGUF (draft.gguf) that llama.cpp "
@@ -197,7 +205,7 @@ except ValueError as e:
     show_error(e)
     cfg = None
 if cfg is not None:
-    _show(cfg)
+    _show(cfg, s.db)
     _save(cfg, s.db)
     _directory(cfg)
     _engine_runs(cfg, s.db)

@@ -169,7 +169,7 @@ CONFIG_SUFFIXES = (".json", ".yaml", ".yml")  # `export --out FILE` with one of 
          "self-contained directory (the config beside the draft it names, as a model that engine loads)",
          ("--config", dict(default=None, help="a SpecLab config to start from; flags set to other than their "
                            "defaults override it")),
-         ("--format", dict(default="json", choices=("json", "yaml", "hf", "vllm", "llamacpp"))),
+         ("--format", dict(default="json", choices=("json", "yaml", "hf", "vllm", "llamacpp", "tree"))),
          ("--out", dict(default=None, metavar="DIR|FILE", help="DIR: a self-contained export directory (the config "
                         "in the engine's own form, the draft as a model it loads, a manifest of checksums); "
                         "FILE.json/.yaml: the config text alone")),

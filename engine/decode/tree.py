@@ -133,3 +133,63 @@ def budget_tree_shape(nodes: int, width: int, vocab: int) -> None:
         raise ValueError(f"a tree's node budget must be at least 1, got {nodes}")
     if not 1 <= width <= vocab:
         raise ValueError(f"a tree's width must be from 1 to the vocabulary ({vocab}), got {width}")
+
+
+def rank_paths(parents: list[int]) -> list[tuple[int, ...]]:
+    """Each node's path of sibling ranks from the root (rank r: the parent's (r + 1)-th child in
+    row order): the form EAGLE's `tree_choices` and Medusa's `medusa_choices` list a tree in."""
+    paths: list[tuple[int, ...]] = []
+    seen: dict[int, int] = {}  # parent row → children so far
+    for parent in parents:
+        rank = seen.get(parent, 0)
+        seen[parent] = rank + 1
+        paths.append((paths[parent - 1] if parent != ROOT else ()) + (rank,))
+    return paths
+
+
+def rank_acceptance(steps: list[tuple[list[int], list[int], list[int]]], width: int) -> tuple[list[float], int]:
+    """Per sibling rank r < width: how often the target took the rank-r child of a node the walk
+    reached, among the reached nodes that had one ([q_0, …], and how many nodes were reached).
+    steps: (tree_parents, draft_ids, accepted tokens) of tree steps."""
+    took, had, reached = [0] * width, [0] * width, 0
+    for parents, drafted, accepted in steps:
+        kids: dict[int, list[int]] = {}
+        for row, parent in enumerate(parents, start=1):
+            kids.setdefault(parent, []).append(row)
+        row = ROOT
+        for token in accepted + [None]:  # after the last accepted token the walk stops: no child taken
+            children = kids.get(row, [])
+            if not children:
+                break
+            reached += 1
+            for r in range(min(len(children), width)):
+                had[r] += 1
+            nxt = next((i for i, c in enumerate(children) if drafted[c - 1] == token), None)
+            if nxt is None:
+                break
+            if nxt < width:
+                took[nxt] += 1
+            row = children[nxt]
+    return [t / h if h else 0.0 for t, h in zip(took, had)], reached
+
+
+def static_choices(q: list[float], nodes: int, width: int, depth: int) -> list[tuple[int, ...]]:
+    """The static tree of `nodes` rank paths that a draft's trees are best read as where an engine
+    takes a fixed tree: best first by Π q[rank] along the path (q[r]: the chance the target takes a
+    reached node's rank-r child), each path after its parent and its lower-ranked sibling, at most
+    `width` children a node and `depth` deep."""
+    import heapq
+
+    out: list[tuple[int, ...]] = []
+    frontier = [(-q[0], (0,))] if q and width and depth else []
+    value = {(): 1.0}
+    while frontier and len(out) < nodes:
+        v, path = heapq.heappop(frontier)
+        out.append(path)
+        value[path] = -v
+        if path[-1] + 1 < min(width, len(q)):  # the next sibling
+            sib = path[:-1] + (path[-1] + 1,)
+            heapq.heappush(frontier, (-value[path[:-1]] * q[sib[-1]], sib))
+        if len(path) < depth:  # the first child
+            heapq.heappush(frontier, (-value[path] * q[0], path + (0,)))
+    return out

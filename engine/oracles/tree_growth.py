@@ -3,18 +3,18 @@
 Expansion: the model reads level d's nodes in one tree read (each row after its own path) and
 each gets `width` children, the law's most likely tokens (greedy) or draws from it without
 replacement (sampling); the `width` children of highest cumulative probability (the product of
-the laws along the path) form level d + 1. Selection: the `nodes` candidates of highest cumulative
-probability, taken best first so that a node comes after its parent and after its earlier siblings
-(a node's siblings are tried in the order they were drawn, which multi-draft sampling's law
-needs: oracles/sampling.py `tree_sample`). A level's read costs about one draft step, so a tree
-`depth` deep costs `depth` draft reads, as a chain of that length does.
+the laws along the path) form level d + 1, read next while the selection may still use it.
+Selection: the `nodes` candidates of highest cumulative probability, taken best first so that a
+node comes after its parent and after its earlier siblings (a node's siblings are tried in the
+order they were drawn, which multi-draft sampling's law needs: oracles/sampling.py
+`tree_sample`). A level's read costs about one draft step, so a tree `depth` deep costs `depth`
+draft reads, as a chain of that length does.
 
 Shapes: a law is [V] (float32); `read(tree, rows)` returns [len(rows), V]: the laws after those
 rows' paths (row 0, the root, is the newest emitted token)."""
 from __future__ import annotations
 
 import heapq
-import math
 from typing import Callable
 
 import torch
@@ -22,12 +22,6 @@ import torch
 from engine.decode.records import K_MAX, DraftToken
 from engine.decode.tree import ROOT, DraftTree
 from engine.oracles.sampling import Sampler, draft_signals
-
-
-def tree_depth(nodes: int, width: int) -> int:
-    """Levels a tree of `nodes` at `width` is grown to: deep enough for a path through the budget
-    left after a first level of `width`, at most K_MAX (the longest chain a policy may draft)."""
-    return max(1, min(nodes, K_MAX, math.ceil(nodes / width) + 1))
 
 
 def _children(law: torch.Tensor, width: int, sampler: Sampler) -> list[int]:
@@ -41,11 +35,15 @@ def _children(law: torch.Tensor, width: int, sampler: Sampler) -> list[int]:
 
 def grow(read: Callable[[DraftTree, list[int]], torch.Tensor], nodes: int, width: int, sampler: Sampler,
          proposer: str) -> DraftTree:
-    """A tree of at most `nodes` nodes grown under the laws `read` gives (see the module's text)."""
+    """A tree of at most `nodes` nodes grown under the laws `read` gives (see the module's text).
+    It reads a level only while the selection may still reach it: once the best `nodes` hold no
+    node of the newest level, no deeper one can enter (a node comes after its parent), so the tree
+    is the one growing to the full depth would give, and tree(N) is the first N rows of tree(M)
+    for N < M at the same width: one grown tree answers every node budget."""
     cand = DraftTree()  # every candidate drawn, in draw order
     cum = {ROOT: 1.0}  # row → cumulative probability of its path
     level = [ROOT]
-    for _ in range(tree_depth(nodes, width)):
+    for depth in range(1, min(nodes, K_MAX) + 1):  # the depth of the level being born
         laws = read(cand, level)  # [len(level), V]
         born = []
         for row, law in zip(level, laws):
@@ -54,12 +52,15 @@ def grow(read: Callable[[DraftTree, list[int]], torch.Tensor], nodes: int, width
                 child = cand.add(row, DraftToken(token, *signals, p=law), proposer)
                 cum[child] = cum[row] * float(law[token])
                 born.append(child)
+        chosen = _select(cand, cum, nodes)
+        if chosen.max_depth < depth:  # the newest level is not used: nor would any deeper one be
+            break
         level = heapq.nlargest(width, born, key=cum.__getitem__)
     return _select(cand, cum, nodes)
 
 
 def _select(cand: DraftTree, cum: dict[int, float], nodes: int) -> DraftTree:
-    """The `nodes` best candidates, each after its parent and its earlier siblings, as a tree."""
+    """The `nodes` best candidates, best first, each after its parent and its earlier siblings."""
     kids = {row: cand.children(row) for row in range(cand.size + 1)}
     out, new_row = DraftTree(), {ROOT: ROOT}
     frontier = [(-cum[kids[ROOT][0]], kids[ROOT][0])] if kids[ROOT] else []

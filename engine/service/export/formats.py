@@ -15,15 +15,20 @@ from typing import Any
 from engine.base.names import BNB_TIERS, DATA_DIR, EMBEDDED, FALLBACK_DRAFT_TIER
 from engine.base.names import SHIPPED_DRAFT as SHIPPED_DRAFT_PATH
 from engine.decode.policies import parse_policy, split_spec
+from engine.decode.policies.fixed import parse_tree
+from engine.decode.tree import rank_acceptance
 from engine.service.export.tuned_config import (
     FIXED,
     PLAIN,
+    TREE,
     TunedConfig,
     first_proposer,
     ngram_options,
+    prior_rank_acceptance,
     speculative_tokens,
     to_json,
     to_yaml,
+    tree_shape,
 )
 from engine.service.generation import file_missing
 from store import Store
@@ -31,7 +36,9 @@ from store import Store
 REPO_ROOT = DATA_DIR.parents[1]
 # The embedded target's shipped SpecLab draft as exports name it: relative to the repository.
 SHIPPED_DRAFT = SHIPPED_DRAFT_PATH.relative_to(REPO_ROOT).as_posix()
-FORMATS = ("json", "yaml", "hf", "vllm", "llamacpp")
+FORMATS = ("json", "yaml", "hf", "vllm", "llamacpp", "tree")
+# Tree steps of a policy's stored runs below which its export's tree comes from the prior instead.
+MIN_TREE_NODES = 50
 VLLM_FIELDS_FILE = DATA_DIR / "vllm_speculative_config_fields.json"
 # HF's own starting confidence threshold for dynamic speculation (GenerationConfig's default).
 HF_CONFIDENCE = 0.4
@@ -83,8 +90,8 @@ def hf_generate_kwargs(cfg: TunedConfig) -> dict[str, Any]:
         out.update(prompt_lookup_num_tokens=speculative_tokens(cfg), max_matching_ngram_size=ngram_options(cfg)["max"])
         return out
     out["assistant_model"] = draft_source(cfg)
-    if name in FIXED:
-        k = int(arg or 4)
+    if name in FIXED or name == TREE:  # a tree: HF drafts a chain as deep as its static form
+        k = int(arg or 4) if name in FIXED else speculative_tokens(cfg)
         out.update(num_assistant_tokens=k, num_assistant_tokens_schedule="constant", assistant_confidence_threshold=0.0)
     elif name == "heuristic":
         out.update(num_assistant_tokens=int(arg or 4), num_assistant_tokens_schedule="heuristic_transient",
@@ -168,6 +175,10 @@ def notes(cfg: TunedConfig) -> list[str]:
                    f"γ = {cfg.gamma_max}, vLLM a fixed γ = {cfg.gamma_max}")
     if name in ("heuristic", "threshold"):
         out.append(f"vLLM drafts a fixed γ: {name} becomes γ = {cfg.gamma_max}")
+    if name == TREE:
+        out.append(f"Hugging Face and vLLM {vllm_fields()['release']} verify chains (this vLLM's SpeculativeConfig has "
+                   f"no token-tree field): {cfg.policy} becomes a chain of γ = {cfg.gamma_max}, its static tree's "
+                   "depth; the tree itself is the `tree` export (EAGLE's tree_choices, Medusa's medusa_choices)")
     out += _proposer_notes(cfg)
     if cfg.draft is None and cfg.target == EMBEDDED:
         out.append(f"the embedded draft ({SHIPPED_DRAFT}) is a SpecLab draft (int8 rows, the target's embedding "
@@ -202,6 +213,39 @@ def _proposer_notes(cfg: TunedConfig) -> list[str]:
     return out
 
 
+# -- a token tree policy's static tree -------------------------------------------------------------
+def tree_export(cfg: TunedConfig, db: str | None = None) -> dict[str, Any] | None:
+    """A `tree:NxW` policy as the static tree engines with a fixed tree read (None for any other
+    policy): its N best rank paths, by the per-rank acceptance its stored tree steps measured in
+    `db` (the prior where fewer than MIN_TREE_NODES nodes were reached), and who reads which form."""
+    if cfg.policy_name != TREE:
+        return None
+    width = parse_tree(parse_policy(cfg.policy)[1]).width
+    q, reached = _measured_ranks(db, cfg.policy, width) if db else ([], 0)
+    measured = reached >= MIN_TREE_NODES
+    choices = [list(c) for c in tree_shape(cfg.policy, q if measured else None)]
+    return {"policy": cfg.policy, "tree_choices": choices, "nodes": len(choices), "depth": max(map(len, choices)),
+            "rank_acceptance": [round(x, 4) for x in (q if measured else prior_rank_acceptance(width))],
+            "from": (f"{reached} tree nodes the target reached in stored {cfg.policy} runs" if measured else
+                     f"the prior α(1 − α)^rank (fewer than {MIN_TREE_NODES} stored tree nodes: run {cfg.policy})"),
+            "read_by": {"EAGLE (SafeAILab/EAGLE)": "tree_choices", "Medusa": "medusa_choices",
+                        f"vLLM {vllm_fields()['release']}": "none: no token-tree field; its speculative_config drafts "
+                        "a chain of num_speculative_tokens = depth",
+                        "SpecLab": f"policy {cfg.policy}: a dynamic tree per step (EAGLE-2's rule)"}}
+
+
+def _measured_ranks(db: str, policy: str, width: int) -> tuple[list[float], int]:
+    """Per-rank acceptance over the tree steps of `policy`'s stored runs (tree.rank_acceptance)."""
+    if file_missing(db):
+        return [], 0
+    with Store(db, wait_s=3.0) as st:
+        runs = st.runs(policy=policy)
+        rows = [st.steps(run_id) for run_id in runs["run_id"]] if len(runs) else []
+    steps = [(list(r.tree_parents), list(r.draft_ids), list(r.token_ids)[: r.accepted])
+             for df in rows for r in df.itertuples() if r.tree_parents is not None and len(r.tree_parents)]
+    return rank_acceptance(steps, width)
+
+
 def export_bundle(cfg: TunedConfig) -> dict[str, Any]:
     """The three forms at once (and what does not carry over)."""
     return {"speclab": cfg.to_dict(), "hf_generate_kwargs": hf_generate_kwargs(cfg),
@@ -216,8 +260,9 @@ def named_path(path: Path) -> str:
     return p.relative_to(REPO_ROOT).as_posix() if p.is_relative_to(REPO_ROOT) else str(path)
 
 
-def render(cfg: TunedConfig, fmt: str) -> str:
-    """The export's text in one format (json, yaml, hf, vllm, llamacpp)."""
+def render(cfg: TunedConfig, fmt: str, db: str | None = None) -> str:
+    """The export's text in one format (json, yaml, hf, vllm, llamacpp, tree: its static tree,
+    measured from `db`'s stored tree steps where it has enough)."""
     if fmt == "json":
         return to_json(cfg)
     if fmt == "yaml":
@@ -233,6 +278,13 @@ def render(cfg: TunedConfig, fmt: str) -> str:
         from engine.service.export.llamacpp import render_llamacpp
 
         return render_llamacpp(cfg)
+    if fmt == "tree":
+        tree = tree_export(cfg, db)
+        if tree is None:
+            raise ValueError(f"policy {cfg.policy} drafts chains: the tree format is for tree:NxW policies")
+        text = json.dumps(tree, indent=2, ensure_ascii=False)  # the rank paths one line: engines paste the list
+        return text.replace(json.dumps(tree["tree_choices"], indent=2).replace("\n", "\n  "),
+                            json.dumps(tree["tree_choices"])) + "\n"
     raise ValueError(f"unknown export format {fmt!r}; known: {', '.join(FORMATS)}")
 
 
@@ -242,7 +294,7 @@ def save_export(db: str, cfg, fmt: str, name: str | None = None) -> tuple[str, i
     target and the policy): (name, version, text). The text is made before the file is opened."""
     from engine.service.export.tuned_config import default_name
 
-    text = render(cfg, fmt)
+    text = render(cfg, fmt, db)
     name = (name or "").strip() or default_name(cfg)
     if not db:
         raise ValueError("an export is stored in a database: pass --db")

@@ -17,7 +17,10 @@ import yaml
 
 from engine.base.names import EMBEDDED, ENGINES, WEIGHT_TIERS, check_kv_tier, tiers_of
 from engine.decode.policies import DEFAULT_POLICY, NEEDS_CONTEXT, make_policy, parse_policy, split_spec
+from engine.decode.policies.fixed import parse_tree
+from engine.decode.policies.rakv import ALPHA0
 from engine.decode.records import K_MAX
+from engine.decode.tree import static_choices
 
 FILE_FORMAT = "speclab-tuned-config/1"  # the "format" key of a SpecLab config file
 
@@ -32,6 +35,22 @@ FIXED = ("fixed", "joint")
 
 # Policies that never draft.
 PLAIN = ("ar", "reuse-only")
+
+# The policy that drafts a token tree every step (engine/decode/tree.py).
+TREE = "tree"
+
+
+def prior_rank_acceptance(width: int) -> list[float]:
+    """Where no stored tree step measured them: the chance the target takes a reached node's
+    rank-r child, α(1 − α)^r with rakv's prior α0 for the draft (rank 0: its chain's α)."""
+    return [ALPHA0 * (1 - ALPHA0) ** r for r in range(width)]
+
+
+def tree_shape(policy: str, q: list[float] | None = None) -> list[tuple[int, ...]]:
+    """The static tree a `tree:NxW` policy is exported as: its N best rank paths under `q`
+    (per-rank acceptance; None: the prior), at most W children a node, K_MAX deep."""
+    p = parse_tree(parse_policy(policy)[1])
+    return static_choices(q or prior_rank_acceptance(p.width), p.nodes, p.width, K_MAX)
 
 
 @dataclass(frozen=True)
@@ -211,6 +230,8 @@ def default_gamma(name: str, arg: str | None) -> tuple[int, int]:
         return k, k
     if name == "heuristic":
         return 1, K_MAX
+    if name == TREE:  # a path through the tree: up to its static form's depth
+        return 1, max(len(c) for c in tree_shape(f"{TREE}:{arg}" if arg else TREE))
     return 1, K_MAX  # threshold, rules, speckv*, rakv: anything up to the longest draft
 
 
