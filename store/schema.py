@@ -273,9 +273,14 @@ MIGRATIONS: list[str] = [
     # 13: token trees (engine/decode/tree.py): a step that verified a tree keeps its shape, the
     # parent row of each drafted node (empty, or NULL before this version: a chain), and every
     # step the tokens it drafted (a chain's, a tree's nodes in row order; NULL before).
+    # A trace's position also holds the draft's token tree grown there (its best-first rows, the
+    # tree of any smaller node budget being their first rows: oracles/tree_growth.py), on the
+    # draft's rows only; NULL: a trace from before, which replays chain policies only.
     """
     ALTER TABLE steps ADD COLUMN tree_parents INTEGER[];
     ALTER TABLE steps ADD COLUMN draft_ids INTEGER[];
+    ALTER TABLE trace_positions ADD COLUMN tree_ids INTEGER[];
+    ALTER TABLE trace_positions ADD COLUMN tree_parents INTEGER[];
     """,
 ]
 

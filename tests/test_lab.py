@@ -71,6 +71,37 @@ def test_replay_matches_the_live_run_step_for_step(tiny_pair, traced, spec):
         assert [r.entropies for r in rep.steps] == [r.entropies for r in live.records]
 
 
+@pytest.mark.parametrize("spec", ["tree:6x3", "tree:16x3", "tree:1x3"])
+def test_replay_of_a_tree_policy_matches_the_live_run_step_for_step(tiny_pair, traced, spec):
+    """Each position of a trace holds the draft's tree of 16 nodes at width 3; a tree policy of N
+    nodes replays its first N rows, and the outcome is the live run's, step for step, tree for tree.
+    Replay prices the tree's draft levels and its verify from the chain table."""
+    traces, ctx = traced
+    for t in traces[:3]:
+        live = _live(tiny_pair, t.row["prompt"], spec, ctx)
+        rep = replay(make_policy(spec, ctx), t.row, t.positions, ctx.costs)
+        assert live.token_ids == t.row["token_ids"]
+        assert rep.outcome() == [(r.k_chosen, r.k_drafted, r.accepted, r.emitted) for r in live.records[1:]]
+        assert [(r.tree_parents, r.draft_ids) for r in rep.steps] == [(r.tree_parents, r.draft_ids) for r in live.records]
+        assert rep.decode_ms > 0
+    drafts = [r for t in traces for r in t.positions if r["proposer"] == "draft"]
+    assert all(len(r["tree_ids"]) == len(r["tree_parents"]) == 16 for r in drafts)
+    assert t.row["config"]["tree_width"] == 3
+
+
+def test_a_tree_policy_on_a_trace_without_trees_or_of_another_width_is_one_line(traced):
+    traces, ctx = traced
+    t = traces[0]
+    old = dict(t.row, config={"temperature": None, "proposers": ["draft"]})  # a trace from before trees
+    bare = [{k: v for k, v in r.items() if k not in ("tree_ids", "tree_parents")} for r in t.positions]
+    with pytest.raises(ValueError, match="holds none \\(made before them\\): trace the prompts again") as e:
+        replay(make_policy("tree:8x3", ctx), old, bare, ctx.costs)
+    with pytest.raises(ValueError, match="the trace's trees are 3 wide") as f:
+        replay(make_policy("tree:8x2", ctx), t.row, t.positions, ctx.costs)
+    assert "\n" not in str(e.value) + str(f.value)
+    assert replay(make_policy("fixed:4", ctx), old, bare, ctx.costs).steps  # chains replay as before
+
+
 class _Unread:
     """Wraps a policy, noting what each decision was told the draft had left to read."""
 

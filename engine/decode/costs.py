@@ -183,6 +183,15 @@ class CostTable:
             ms += (k + 1) * self.row_slope() * beyond
         return ms * self._factor(k)
 
+    def tree_verify_part(self, nodes: int, context_len: int) -> float:
+        """A token tree's verify of nodes + 1 rows: a chain's of as many rows where the table
+        measured one (the fused read takes the same kernels), past K_MAX + 1 rows the last
+        measured verify plus the last measured row's price per further row (modelled, not timed)."""
+        if nodes <= K_MAX:
+            return self.verify_part(nodes, context_len)
+        last, before = self.verify_part(K_MAX, context_len), self.verify_part(K_MAX - 1, context_len)
+        return last + (nodes - K_MAX) * max(last - before, 0.0)
+
     def row_slope(self) -> float:
         """ms per verified row per token of context past the last bucket: the median over k of
         the last two buckets' growth per row (each row attends over the context), never falling.

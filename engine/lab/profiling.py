@@ -19,6 +19,7 @@ import torch
 from engine.base.helpers import median_ms
 from engine.decode.costs import CONTEXT_BUCKETS, REPS, WARMUP, CostTable, DraftCost, buckets_for, monotone, reps_at
 from engine.decode.policies import K_MAX, make_policy
+from engine.decode.policies.fixed import TREE_MAX_NODES
 from engine.decode.records import UNBOUNDED, DraftToken
 from engine.lab.generation import GenConfig, Generation, encode_prompt
 from engine.lab.timing import SPREAD_LIMIT, MachineBusy, Neighbours, busy_limit, timed_medians
@@ -30,6 +31,11 @@ from engine.runtime.forward import crop_to, forward_logits, sync_device
 from engine.runtime.kv.cache import new_cache
 from engine.runtime.models import ModelPair, pair_device
 from engine.runtime.prefix.cache import fill, kv_of
+
+# The draft's token tree a trace records at each position: the largest node budget a tree policy
+# takes, at one width; a tree:N×TRACE_TREE_WIDTH policy replays the first N rows of it.
+TRACE_TREE_NODES = TREE_MAX_NODES
+TRACE_TREE_WIDTH = 3
 
 
 @dataclass
@@ -84,7 +90,14 @@ def tracing(pair: ModelPair, prompt: str, task: str | None = None, max_new_token
         prop.update(0, [first])
     out, drafts = [first], []
     yield None
+    grower = props.get("draft") if hasattr(props.get("draft"), "propose_tree") else None
+    trees = []  # the draft's tree at each position, grown before its chain (it leaves the draft as it found it)
     while not verifier.ended and len(out) < budget:
+        if grower is not None:
+            try:
+                trees.append(grower.propose_tree(TRACE_TREE_NODES, TRACE_TREE_WIDTH))
+            except ValueError:  # a draft whose cache cannot read trees: its chains alone
+                grower, trees = None, []
         drafts.append({name: (prop.lookahead(), prop.propose(k_max, _always)) for name, prop in props.items()})
         _, emitted = verifier.verify([])
         for prop in props.values():
@@ -94,11 +107,16 @@ def tracing(pair: ModelPair, prompt: str, task: str | None = None, max_new_token
     q = _target_laws(pair, ids, out, temperature, kv_tier) if temperature else None  # [N, V]
     positions = [_position(p, name, lookahead, drafted, out, len(ids), q, temperature)
                  for p, at in enumerate(drafts, start=1) for name, (lookahead, drafted) in at.items()]
+    for row in positions if trees else []:
+        if row["proposer"] == "draft":
+            tree = trees[row["position"] - 1]
+            row.update(tree_ids=list(tree.tokens), tree_parents=list(tree.parents))
     stop = "eos" if verifier.ended else "max_new_tokens" if budget == max_new_tokens else "context"
     row = dict(target=pair.target_name, draft=pair.draft_name, target_tier=pair.target_tier,
                draft_tier=pair.draft_tier, kv_tier=kv_tier, device=pair_device(pair), prompt=prompt, task=task, chat=chat,
                max_new_tokens=max_new_tokens, k_max=k_max, prompt_ids=ids, token_ids=out,
-               stop_reason=stop, config=dict(temperature=temperature, proposers=list(props)))
+               stop_reason=stop, config=dict(temperature=temperature, proposers=list(props),
+                                             tree_width=TRACE_TREE_WIDTH if trees else None))
     if "suffix" in props:
         row["config"]["suffix_history"] = props["suffix"].history.describe()
     yield Trace(row, positions)

@@ -5,6 +5,7 @@ so a replay reproduces the live run's steps one for one; a cost table turns the 
 milliseconds. No model is loaded, no torch imported."""
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 
 from engine.decode.costs import CostTable
@@ -75,9 +76,6 @@ def replay_proposers(policy: Policy, traced: dict[str, dict[int, dict]], prompt:
     """The proposers a replay of `policy` runs, in the canonical order (as a live run builds
     them): those it names, else every traced one; ValueError in one line for one not traced."""
     wanted = getattr(policy, "proposers", None)
-    if getattr(policy, "tree_proposers", None) is not None:
-        raise ValueError(f"policy {policy.name} drafts token trees, and traces hold each proposer's chain only: "
-                         "run it live (Compare, or `python -m engine generate`)")
     if not traced:  # a one-token output has no positions: nothing is ever drafted
         return tuple(wanted or ("draft",))
     if wanted is None:
@@ -102,7 +100,13 @@ def replay(policy: Policy, trace: dict, positions: list[dict], costs: CostTable 
     clock, scored = ModelledClock(), _SelfScored(policy)
     kv_tier = trace.get("kv_tier") if isinstance(trace.get("kv_tier"), str) else "native"
     run = Setting(n_prompt, int(trace["max_new_tokens"]), trace["target_tier"], kv_tier)
-    proposers = {name: TraceProposer(traced.get(name, {}), n_prompt, costs, clock, name) for name in names}
+    config = trace.get("config")
+    config = json.loads(config) if isinstance(config, str) else config if isinstance(config, dict) else {}
+    width = config.get("tree_width")  # the draft's trees the trace holds (None: none)
+    if getattr(policy, "tree_proposers", None) is not None and width is None:
+        raise ValueError(f"policy {policy.name} drafts token trees; the trace of {trace.get('prompt', '')[:40]!r} holds "
+                         "none (made before them): trace the prompts again (`python -m engine trace`)")
+    proposers = {name: TraceProposer(traced.get(name, {}), n_prompt, costs, clock, name, width) for name in names}
     steps = list(decode(proposers, TraceVerifier(out, n_prompt, costs, clock), scored, run, clock))
     guessed = [(g, r.emitted) for g, r in zip(scored.guesses, steps[1:]) if g is not None]
     return Replay(getattr(policy, "name", "?"), trace.get("prompt", ""), trace.get("task"), run.target_tier, run.kv_tier,

@@ -10,8 +10,9 @@ import math
 from typing import Callable
 
 from engine.decode.costs import CostTable
-from engine.decode.records import UNBOUNDED, DraftToken
+from engine.decode.records import K_MAX, UNBOUNDED, DraftToken
 from engine.decode.step import ModelledClock, draft_tokens
+from engine.decode.tree import ROOT, DraftTree
 
 # How the live proposers' `unread` moves, which replay follows. Both read lazily: the prompt at
 # their first draft, then what was emitted since they last read. "draft": the draft model read
@@ -28,9 +29,10 @@ class TraceProposer:
     and each drafted token on `clock`, as the live proposer spends them."""
 
     def __init__(self, positions: dict[int, dict], n_prompt: int = 0, costs: CostTable | None = None,
-                 clock: ModelledClock | None = None, name: str = "draft") -> None:
+                 clock: ModelledClock | None = None, name: str = "draft", tree_width: int | None = None) -> None:
         self.at = positions  # position → this proposer's trace_positions row
         self.name = name
+        self.tree_width = tree_width  # the width of the trees the trace holds (None: none)
         self.pos = 0  # emitted tokens so far
         self.costs, self.clock, self.n_prompt = costs, clock, n_prompt
         self.reading = READING.get(name)
@@ -64,6 +66,29 @@ class TraceProposer:
             self.clock.now += self.costs.draft_part(len(drafted), ctx, self.name)
         self._drafted = len(drafted)
         return drafted
+
+    def propose_tree(self, nodes: int, width: int) -> DraftTree:
+        """The first `nodes` rows of the tree recorded here (the draft's best-first rows at the
+        trace's width: a smaller budget's tree is their prefix, oracles/tree_growth.py). Priced as
+        the live draft spends it: its catch-up, then one read per level it grew."""
+        row = self.at[self.pos]
+        parents = row.get("tree_parents")
+        if parents is None or (isinstance(parents, float) and math.isnan(parents)) or self.tree_width is None:
+            raise ValueError("this trace holds no token trees (made before them, or with a draft that grows none): "
+                             "trace the prompts again (`python -m engine trace`)")
+        if width != self.tree_width:
+            raise ValueError(f"the trace's trees are {self.tree_width} wide; a tree policy of width {width} "
+                             f"cannot replay on them: use tree:N×{self.tree_width}")
+        tree = DraftTree()
+        for token, parent in list(zip(row["tree_ids"], parents))[:nodes]:
+            tree.add(int(parent), DraftToken(int(token), 0.0, 1.0), self.name)
+        ctx = self.n_prompt + self.pos
+        if self.costs is not None and self.clock is not None:
+            self.clock.now += self.costs.catchup_cost(*self.unread, ctx, self.name) or 0.0
+            levels = min(tree.max_depth + 1, nodes, K_MAX)  # the growth stops a level past the deepest it used
+            self.clock.now += self.costs.draft_part(levels, ctx, self.name)
+        self._prompt_unread, self._pending, self._drafted = 0, 1, 0  # the context read, the root pending
+        return tree
 
     def update(self, accepted: int, emitted: list[int]) -> None:
         self.pos += len(emitted)
@@ -99,6 +124,19 @@ class TraceVerifier:
             self.clock.now += self.costs.verify_part(len(drafted), self.n_prompt + self.pos)
         # The output ends at EOS or at the budget: slicing cuts there, as a live verify does.
         return n, self._emit(self.out[self.pos : self.pos + n + 1])
+
+    def verify_tree(self, tree: DraftTree) -> tuple[list[int], list[int]]:
+        """The root path whose tokens the output holds next (greedy acceptance), and its emitted tokens."""
+        row, path = ROOT, []
+        while self.pos + len(path) < len(self.out):
+            want = self.out[self.pos + len(path)]
+            row = next((c for c in tree.children(row) if tree.tokens[c - 1] == want), None)
+            if row is None:
+                break
+            path.append(row)
+        if self.costs is not None and self.clock is not None:
+            self.clock.now += self.costs.tree_verify_part(tree.size, self.n_prompt + self.pos)
+        return path, self._emit(self.out[self.pos : self.pos + len(path) + 1])
 
     def _emit(self, new: list[int]) -> list[int]:
         self.pos += len(new)

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import json
 from dataclasses import dataclass
 from typing import Any, Callable, ContextManager, Iterable, Mapping
 
@@ -94,8 +95,9 @@ def trace_prompts(st: Store, pair, prompts: list[tuple[str, str]], max_new_token
     held = st.trace_proposers() if len(have) else {}
     need = set(available(pair))
     # A one-token output has no positions to hold proposals: done as it is.
+    # A trace from before token trees (its config names no tree_width) is made again too.
     done = {r["prompt"] for r in have.to_dict("records")
-            if need <= set(held.get(r["trace_id"], ())) or len(r["token_ids"]) <= 1}
+            if (need <= set(held.get(r["trace_id"], ())) and "tree_width" in _config(r)) or len(r["token_ids"]) <= 1}
     todo = [(task, prompt) for task, prompt in prompts if prompt not in done]
     on_start(len(todo))
     for task, prompt in todo:
@@ -103,6 +105,11 @@ def trace_prompts(st: Store, pair, prompts: list[tuple[str, str]], max_new_token
         st.add_trace(tr.row, tr.positions)
         on_trace()
     return len(todo)
+
+
+def _config(row: Mapping[str, Any]) -> dict:
+    config = row.get("config")
+    return json.loads(config) if isinstance(config, str) else config if isinstance(config, dict) else {}
 
 
 def cell_key(run: Mapping[str, Any]) -> tuple[str, str, str, str]:
