@@ -4,8 +4,11 @@
                  (the draft grows each tree level by level, EAGLE-2's rule: oracles/tree_growth.py;
                  the target verifies it in one read), in turns per prompt: tok/s, τ (tokens a
                  target verify emits), and each output against HF generate's, token for token
+    rakv         the default policy, on the pair's cost table measured in the run (which prices a
+                 tree's draft levels and its verify): it weighs trees of 4, 8, 16 nodes beside chains
     ratios       per prompt, then the geometric mean and its 95% interval (t over the prompts' log
-                 ratios): every policy against `ar`, the best tree against the chain
+                 ratios): every policy against `ar`, rakv against the best fixed policy (`ci95`),
+                 the best tree against the chain
     verify cost  one target read of a tree of N nodes over a held-out prompt's context, timed in
                  turns beside the reads a run takes today (a plain step, a chain of 4's verify), as
                  the ratio to the plain step
@@ -27,10 +30,13 @@ import torch
 
 from engine.base.flags import add_model_args
 from engine.datasets.prompts import heldout
+from engine.decode.costs import CostTable
+from engine.decode.policies import PolicyContext
 from engine.decode.policies.fixed import parse_tree
 from engine.decode.records import DraftToken
 from engine.decode.tree import ROOT, DraftTree
 from engine.lab.generation import encode_prompt
+from engine.lab.profiling import measure_costs
 from engine.oracles.sampling import Sampler
 from engine.oracles.target import TargetVerifier
 from engine.runtime.forward import crop_to, forward_logits, forward_tree_logits
@@ -55,16 +61,19 @@ def hf_generate(pair: ModelPair, prompt: list[int], max_new: int) -> list[int]:
     return out[0, len(prompt):].tolist()
 
 
-def live(pair: ModelPair, ids: list[list[int]], policies: list[str], max_new: int) -> dict[str, list[dict]]:
-    """policy → one run per prompt (tokens, tok/s, τ), the policies in turns per prompt after one
-    untimed warm-up run each (the kernels' first reads, the draft's lazy load)."""
+def live(pair: ModelPair, ids: list[list[int]], policies: list[str], max_new: int,
+         context: PolicyContext | None = None) -> dict[str, list[dict]]:
+    """policy → one run per prompt (tokens, tok/s, τ, the steps that verified a tree), the policies
+    in turns per prompt after one untimed warm-up run each (the kernels' first reads, the draft's
+    lazy load). `context`: rakv's cost table."""
     def one(policy: str, prompt: list[int]) -> dict:
-        gen = open_generation(pair, Request(prompt="", policy=policy, max_new_tokens=max_new), context=None,
+        gen = open_generation(pair, Request(prompt="", policy=policy, max_new_tokens=max_new), context=context,
                               prompt_ids=prompt)
         t0 = time.perf_counter()
         list(gen)
         wall = time.perf_counter() - t0
-        return dict(tokens=gen.token_ids, tok_s=len(gen.token_ids) / wall, tau=gen.summary.tokens_per_step)
+        return dict(tokens=gen.token_ids, tok_s=len(gen.token_ids) / wall, tau=gen.summary.tokens_per_step,
+                    tree_steps=sum(1 for r in gen.records if r.tree_parents), steps=len(gen.records) - 1)
 
     for policy in policies:
         one(policy, ids[0])
@@ -114,20 +123,31 @@ def verify_ms(pair: ModelPair, prompt: list[int], sizes: tuple[int, ...], reps: 
 
 
 def measure(pair: ModelPair, prompts: list[tuple[str, str]], max_new: int, shapes: list[tuple[int, int]],
-            reps: int, say=print) -> dict:
+            reps: int, say=print, costs: CostTable | None = None) -> dict:
+    """The live runs, their ratios and the verify's cost by size; with `costs` (the pair's measured
+    table, which prices trees) rakv runs too, against ar and the best fixed policy."""
     ids = [encode_prompt(pair.tokenizer, p, chat=True) for _, p in prompts]
     want = [hf_generate(pair, i, max_new) for i in ids]
     chain, trees = f"fixed:{CHAIN}", [f"tree:{n}x{w}" for n, w in shapes]
-    runs = live(pair, ids, ["ar", chain] + trees, max_new)
+    adaptive = ["rakv"] if costs is not None else []
+    runs = live(pair, ids, ["ar", chain] + trees + adaptive, max_new, PolicyContext(costs=costs))
     out: dict = dict(prompts=len(ids), max_new_tokens=max_new, policies={})
     for policy, rs in runs.items():
         vs_ar, ci = geo_ratio([r["tok_s"] for r in rs], [r["tok_s"] for r in runs["ar"]])
         out["policies"][policy] = dict(tok_s=statistics.fmean(r["tok_s"] for r in rs),
                                        tau=statistics.fmean(r["tau"] for r in rs), vs_ar=vs_ar, vs_ar_ci95=ci,
+                                       tree_steps=sum(r["tree_steps"] for r in rs), steps=sum(r["steps"] for r in rs),
                                        identical_to_hf_generate=all(r["tokens"] == w for r, w in zip(rs, want)))
         p = out["policies"][policy]
         say(f"  {policy:10} {p['tok_s']:6.1f} tok/s  τ {p['tau']:.3f}  × ar {vs_ar:.3f} [{ci[0]:.3f}, {ci[1]:.3f}]"
-            f"  identical to HF generate {p['identical_to_hf_generate']}")
+            f"  tree steps {p['tree_steps']}/{p['steps']}  identical to HF generate {p['identical_to_hf_generate']}")
+    fixed = ["ar", chain] + trees
+    best_fixed = max(fixed, key=lambda t: out["policies"][t]["tok_s"])
+    if adaptive:
+        ratio, ci = geo_ratio([r["tok_s"] for r in runs["rakv"]], [r["tok_s"] for r in runs[best_fixed]])
+        out.update(rakv_vs_ar=out["policies"]["rakv"]["vs_ar"], rakv_vs_ar_ci95=out["policies"]["rakv"]["vs_ar_ci95"],
+                   best_fixed=best_fixed, rakv_vs_best_fixed=ratio, ci95=ci)
+        say(f"  rakv × the best fixed policy ({best_fixed}): {ratio:.3f} [{ci[0]:.3f}, {ci[1]:.3f}]")
     best = max(trees, key=lambda t: out["policies"][t]["tok_s"]) if trees else None
     ms = verify_ms(pair, ids[0], VERIFY_NODES, reps)
     out.update(verify_ms=ms, verify_ms_by_nodes={str(n): ms[f"tree:{n}"] for n in VERIFY_NODES},
@@ -139,7 +159,7 @@ def measure(pair: ModelPair, prompts: list[tuple[str, str]], max_new: int, shape
                identical_to_hf_generate=all(p["identical_to_hf_generate"] for p in out["policies"].values()))
     if best:
         ratio, ci = geo_ratio([r["tok_s"] for r in runs[best]], [r["tok_s"] for r in runs[chain]])
-        out.update(best_tree_vs_ar=out["policies"][best]["vs_ar"], best_tree_vs_chain=ratio, ci95=ci)
+        out.update(best_tree_vs_ar=out["policies"][best]["vs_ar"], best_tree_vs_chain=ratio, best_tree_vs_chain_ci95=ci)
         say(f"  best tree {best}: × the chain {ratio:.3f} [{ci[0]:.3f}, {ci[1]:.3f}]")
     return out
 
@@ -168,8 +188,10 @@ def main(argv: list[str] | None = None) -> int:
         pair = load_pair(a.target, a.draft, tier, a.draft_tier, a.device, a.trust_remote_code)
         say(f"{pair.target_name} at {tier}, draft {pair.draft_name}: {len(prompts)} held-out prompts × "
             f"{a.max_new_tokens} tokens")
+        say("  measuring the cost table rakv reads (its trees' prices included)")
+        costs = measure_costs(pair)
         with torch.inference_mode():
-            res["tiers"][tier] = measure(pair, prompts, a.max_new_tokens, shapes, a.reps, say)
+            res["tiers"][tier] = measure(pair, prompts, a.max_new_tokens, shapes, a.reps, say, costs)
         t = res["tiers"][tier]
         say(f"  a tree read's cost by nodes (× a plain step, {t['verify_ms']['plain']:.1f} ms): "
             + "  ".join(f"{n}: {c:.2f}" for n, c in t["verify_cost_by_nodes"].items())

@@ -14,6 +14,11 @@ _PAIR_LIVE_STEPS = (" FROM steps s JOIN runs r ON r.run_id = s.run_id WHERE r.de
                     " AND r.source = 'speclab' AND r.error IS NULL")
 
 
+# Chain steps only: a token tree's step (its shape stored) neither times a chain of as many tokens
+# nor says whether a first drafted token stood.
+_CHAINS = " AND (s.tree_parents IS NULL OR len(s.tree_parents) = 0)"
+
+
 class PairMeasures:
     """Queries over one pair's stored live steps and traces; the Store supplies `_reader`."""
 
@@ -27,7 +32,7 @@ class PairMeasures:
         verify_ms; proposer: who drafted it ('draft' for plain steps, whose price is no proposer's)."""
         sql = ("SELECT s.k_drafted, s.context_len, s.draft_ms + s.verify_ms AS ms,"
                " coalesce(nullif(s.proposer, ''), 'draft') AS proposer" + _PAIR_LIVE_STEPS +
-               " AND s.step > 0 ORDER BY r.created_at, s.run_id, s.step")
+               " AND s.step > 0" + _CHAINS + " ORDER BY r.created_at, s.run_id, s.step")
         with self._reader() as con:
             return con.execute(sql, [device, target, draft, target_tier, kv_tier, kv_tier]).df()
 
@@ -38,7 +43,7 @@ class PairMeasures:
         one proposer drafted (None: any): the per-token acceptance α of the pair, whatever draft
         lengths the runs chose."""
         sql = ("SELECT count(*) FILTER (WHERE s.accepted > 0), count(*)" + _PAIR_LIVE_STEPS + " AND s.k_drafted > 0"
-               " AND (CAST(? AS VARCHAR) IS NULL OR s.proposer = ?)")
+               " AND (CAST(? AS VARCHAR) IS NULL OR s.proposer = ?)" + _CHAINS)
         with self._reader() as con:
             hits, n = con.execute(sql, [device, target, draft, target_tier, kv_tier, kv_tier, proposer,
                                         proposer]).fetchone()

@@ -275,12 +275,15 @@ MIGRATIONS: list[str] = [
     # step the tokens it drafted (a chain's, a tree's nodes in row order; NULL before).
     # A trace's position also holds the draft's token tree grown there (its best-first rows, the
     # tree of any smaller node budget being their first rows: oracles/tree_growth.py), on the
-    # draft's rows only; NULL: a trace from before, which replays chain policies only.
+    # draft's rows only; NULL: a trace from before, which replays chain policies only. A cost
+    # table's draft rows price a tree: one level of its growth, the verify of a 16-node tree.
     """
     ALTER TABLE steps ADD COLUMN tree_parents INTEGER[];
     ALTER TABLE steps ADD COLUMN draft_ids INTEGER[];
     ALTER TABLE trace_positions ADD COLUMN tree_ids INTEGER[];
     ALTER TABLE trace_positions ADD COLUMN tree_parents INTEGER[];
+    ALTER TABLE costs ADD COLUMN tree_level_ms DOUBLE;
+    ALTER TABLE costs ADD COLUMN tree_verify_ms DOUBLE;
     """,
 ]
 

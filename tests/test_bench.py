@@ -414,16 +414,21 @@ def test_trees_bench_measures_tau_and_verify_cost_and_stays_exact(tiny_pair):
     import torch
 
     from bench import trees
+    from engine.lab.profiling import measure_costs
 
     prompts = [("code", "def add(a, b):"), ("chat", "Hello there, how are you?")]
+    costs = measure_costs(tiny_pair, buckets=(8, 32), reps=2)
     with torch.inference_mode():
-        res = trees.measure(tiny_pair, prompts, 12, [(6, 2)], reps=1, say=lambda s: None)
-    assert res["identical_to_hf_generate"] and res["best_tree"] == "tree:6x2"
-    assert set(res["policies"]) == {"ar", "fixed:4", "tree:6x2"}
+        res = trees.measure(tiny_pair, prompts, 12, [(6, 3)], reps=1, say=lambda s: None, costs=costs)
+    assert res["identical_to_hf_generate"] and res["best_tree"] == "tree:6x3"
+    assert set(res["policies"]) == {"ar", "fixed:4", "tree:6x3", "rakv"}
+    assert res["best_fixed"] in ("ar", "fixed:4", "tree:6x3") and res["ci95"][0] <= res["rakv_vs_best_fixed"] <= res["ci95"][1]
+    assert res["rakv_vs_ar"] == res["policies"]["rakv"]["vs_ar"] and res["policies"]["tree:6x3"]["tree_steps"] > 0
     assert res["tau_chain"] >= 1 and res["tau_tree"] >= 1 and res["policies"]["ar"]["tau"] == 1
     for p in res["policies"].values():
         assert p["tok_s"] > 0 and p["vs_ar_ci95"][0] <= p["vs_ar"] <= p["vs_ar_ci95"][1]
-    assert res["ci95"][0] <= res["best_tree_vs_chain"] <= res["ci95"][1] and res["chain_vs_ar"] > 0
+    assert res["best_tree_vs_chain_ci95"][0] <= res["best_tree_vs_chain"] <= res["best_tree_vs_chain_ci95"][1]
+    assert res["chain_vs_ar"] > 0
     assert set(res["verify_ms_by_nodes"]) == {"0", "1", "2", "4", "8", "16"} and res["chain_verify_cost"] > 0
     assert set(res["verify_ms"]) == {"plain", "chain:4"} | {f"tree:{n}" for n in (0, 1, 2, 4, 8, 16)}
     with pytest.raises(SystemExit):

@@ -89,6 +89,43 @@ def test_replay_of_a_tree_policy_matches_the_live_run_step_for_step(tiny_pair, t
     assert t.row["config"]["tree_width"] == 3
 
 
+def test_a_cost_table_prices_token_trees_and_keeps_them_in_the_store(traced):
+    """measure_costs times one level of the draft's tree growth and a 16-node tree's verify per
+    bucket; the figures survive the store, and a tree's verify between 9 and 17 rows lies on
+    the line from the chain's longest verify to the measured tree's."""
+    from engine.decode.costs import CostTable
+
+    _, ctx = traced
+    costs = ctx.costs
+    assert costs.prices_trees and len(costs.tree_level_ms) == len(costs.tree_verify_ms) == len(costs.buckets)
+    assert all(x > 0 for x in costs.tree_level_ms + costs.tree_verify_ms)
+    back = CostTable.from_rows([dict(r, cost_id="c") for r in costs.to_rows(2)])
+    assert back.tree_level_ms == costs.tree_level_ms and back.tree_verify_ms == costs.tree_verify_ms
+    c = costs.buckets[0]
+    nine, sixteen = costs.tree_verify_part(8, c), costs.tree_verify_part(16, c)
+    assert nine <= costs.tree_verify_part(12, c) <= sixteen and sixteen >= costs.verify_part(8, c)
+    assert costs.tree_step_ms(8, 3, c) == costs.tree_draft_part(3, c) + costs.tree_verify_part(8, c)
+
+
+def test_rakv_that_drafts_trees_replays_as_it_ran(tiny_pair, traced):
+    """Where the table makes a wide verify cheap, rakv drafts trees; what-if replay over traces
+    that hold them makes the same choices, tree for tree, as the live run."""
+    import dataclasses
+
+    traces, ctx = traced
+    cheap = dataclasses.replace(ctx.costs, tree_level_ms=[x / 4 for x in ctx.costs.draft_ms],
+                                tree_verify_ms=[row[1] for row in ctx.costs.verify_ms])
+    tctx = dataclasses.replace(ctx, costs=cheap)
+    chose = 0
+    for t in traces[:3]:
+        live = _live(tiny_pair, t.row["prompt"], "rakv", tctx)
+        rep = replay(make_policy("rakv", tctx), t.row, t.positions, tctx.costs)
+        assert rep.outcome() == [(r.k_chosen, r.k_drafted, r.accepted, r.emitted) for r in live.records[1:]]
+        assert [r.tree_parents for r in rep.steps] == [r.tree_parents for r in live.records]
+        chose += sum(1 for r in live.records if r.tree_parents)
+    assert chose > 0
+
+
 def test_a_tree_policy_on_a_trace_without_trees_or_of_another_width_is_one_line(traced):
     traces, ctx = traced
     t = traces[0]

@@ -59,7 +59,7 @@ def make_steps(n: int = 2) -> list[dict[str, Any]]:
             "entropies": [0.25, 0.5, 1.25, 0.0], "confidences": [0.9, 0.75, 0.25, 1.0],
             "draft_ms": 3.5, "verify_ms": 8.0, "decide_ms": 0.02, "context_len": 6 + i,
             "reuse": 5, "target_tier": "fp16", "kv_tier": "int8", "proposer": "draft",
-            "tree_parents": [0, 1, 0, 3] if i == 2 else [],  # step 2 verified a token tree
+            "tree_parents": [],
             "draft_ids": [22, 33, 50, 51],
         })
     return steps
@@ -170,6 +170,7 @@ def db(tmp_path: Path) -> Path:
 def test_round_trip_run_and_steps_in_memory() -> None:
     with Store(":memory:") as st:
         run, steps = make_run(), make_steps(3)
+        steps[2]["tree_parents"] = [0, 1, 0, 3]  # step 2 verified a token tree
         run_id = st.add_run(run, steps)
         assert isinstance(run_id, str) and len(run_id) == 32
         stored = st.run(run_id)
@@ -276,6 +277,9 @@ def test_first_token_acceptance_counts_drafting_steps_of_one_pair() -> None:
         st.add_run(make_run(), steps)
         st.add_run(make_run(target_tier="bf16"), make_steps(3))  # another tier
         st.add_run(make_run(error="boom"), make_steps(3))  # a failed run
+        tree = make_steps(3)
+        tree[1]["tree_parents"] = [0, 0, 1, 2]  # a token tree's step: no chain's first token, no chain's time
+        st.add_run(make_run(), tree[:2])
         assert st.first_token_acceptance(*key) == (2, 3)
         assert st.first_token_acceptance(*key, kv_tier="int8") == (2, 3)  # the runs' KV tier
         assert st.first_token_acceptance(*key, kv_tier="native") == (0, 0)

@@ -91,7 +91,8 @@ def test_trace_round_trip_and_ordering() -> None:
 
         got = records(st.trace_positions(first))
         want_pos = sorted(make_positions(3), key=lambda p: p["position"])
-        assert got == [dict(p, trace_id=first, proposer="draft", lookahead=None) for p in want_pos]  # migration 9's defaults
+        assert got == [dict(p, trace_id=first, proposer="draft", lookahead=None, tree_ids=None, tree_parents=None)
+                       for p in want_pos]  # migration 9's defaults; no tree held (13)
         everything = st.trace_positions()
         assert list(zip(everything["trace_id"], everything["position"])) == [
             ("mine", 0), ("mine", 1), (first, 0), (first, 1), (first, 2)]

@@ -366,18 +366,15 @@ def test_a_tree_policy_the_run_cannot_take_is_refused_in_one_line(tiny_pair, pol
     assert "\n" not in str(e.value)
 
 
-def test_a_tree_policy_on_llamacpp_or_a_trace_is_refused_in_one_line(tiny_pair):
+def test_a_tree_policy_on_llamacpp_is_refused_in_one_line(tiny_pair):
+    """llama.cpp verifies chains only (a trace without trees: test_lab.py)."""
     import dataclasses
 
-    from engine.decode.policies import make_policy
     from engine.lab.generation import check_tree_run
-    from engine.lab.whatif import replay_proposers
 
     with pytest.raises(ValueError, match="llamacpp engine verifies chains only") as e:
         check_tree_run(dataclasses.replace(tiny_pair, engine="llamacpp"), "tree:8x3", 8, 3, [])
-    with pytest.raises(ValueError, match="drafts token trees, and traces hold each proposer's chain only") as f:
-        replay_proposers(make_policy("tree:8x3"), {"draft": {1: {}}}, "a prompt")
-    assert "\n" not in str(e.value) + str(f.value)
+    assert "\n" not in str(e.value)
 
 
 def test_a_grown_tree_of_n_nodes_is_the_first_n_rows_of_a_larger_one():
@@ -420,3 +417,54 @@ def test_rank_paths_acceptance_by_rank_and_the_static_tree_they_give():
                                                           (0, 0, 0, 0), (2,)]
     assert static_choices([0.9, 0.05], 4, 2, 2) == [(0,), (0, 0), (1,), (0, 1)]  # depth 2 at most
     assert static_choices([0.6], 3, 3, 8) == [(0,), (0, 0), (0, 0, 0)]  # one rank known: a chain
+
+
+def _rakv_state(width: int, alpha: float = 0.6):
+    from engine.decode.records import DecodeState
+
+    return DecodeState(step=1, position=1, context_len=10, remaining=50, target_tier="fp32", kv_tier="native",
+                       alpha_ewma=alpha, alpha_trials=20.0, tree_width=width)
+
+
+def _table(verify0: float, per_row: float, draft_ms: float = 1.0):
+    from engine.decode.costs import CostTable
+    from engine.decode.records import K_MAX
+
+    return CostTable([1], [draft_ms], [[verify0 + k * per_row for k in range(K_MAX + 1)]])
+
+
+def test_rakv_drafts_a_tree_where_a_wide_verify_is_cheap_and_a_chain_where_it_is_not():
+    """rakv weighs trees of 4, 8 and 16 nodes beside its chains where the run grows trees: with a
+    verify that costs the same at 17 rows as at 1 (a GPU's) it drafts a tree and says its shape;
+    where each row costs a fifth of a plain step (a small CPU's), a chain; without trees, never one."""
+    from engine.decode.policies.rakv import RakvPolicy
+
+    flat = RakvPolicy(_table(10.0, 0.05))
+    action = flat.choose(_rakv_state(3))
+    assert action.width == 3 and action.k in (4, 8, 16) and action.proposer == "draft"
+    assert flat.why.startswith(f"draft tree {action.k}×3") and "E ≈" in flat.why and "for a chain of" in flat.why
+    steep = RakvPolicy(_table(10.0, 2.0))
+    chain = steep.choose(_rakv_state(3))
+    assert chain.width == 1 and chain.k > 0
+    assert RakvPolicy(_table(10.0, 0.05)).choose(_rakv_state(0)).width == 1
+
+
+def test_rakv_learns_each_ranks_acceptance_from_its_tree_steps():
+    """A run whose target keeps taking the draft's second guess raises rank 1's rate, so the
+    tree rakv expects more tokens from grows wider at the root."""
+    from engine.decode.policies.rakv import RakvPolicy
+    from engine.decode.records import StepRecord
+
+    policy = RakvPolicy(_table(10.0, 0.05))
+    before = policy._best_tree(_rakv_state(3), 0.6)
+    for step in range(1, 9):  # root ─ {5, 6}: the target takes 6, the second child, every time
+        policy.observe(StepRecord(step=step, position=step, k_chosen=2, k_drafted=2, accepted=1, emitted=2,
+                                  token_ids=[6, 9], mean_entropy=0.5, max_entropy=0.5, mean_confidence=0.5,
+                                  min_confidence=0.5, entropies=[0.5, 0.5], confidences=[0.5, 0.5], draft_ms=1.0,
+                                  verify_ms=10.0, decide_ms=0.0, context_len=10, target_tier="fp32",
+                                  kv_tier="native", proposer="draft", tree_parents=[0, 0], draft_ids=[5, 6]))
+    assert policy._ranks[0].alpha == 1.0
+    after = policy._best_tree(_rakv_state(3), 0.6)
+    assert after[2] > before[2]  # more tokens expected a verify
+    policy.reset()
+    assert policy._ranks == []

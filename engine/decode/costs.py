@@ -13,7 +13,7 @@ from dataclasses import dataclass, field, replace
 from typing import Iterable
 
 from engine.base.names import COST_KEY
-from engine.decode.records import K_MAX
+from engine.decode.records import K_MAX, TREE_MAX_NODES
 
 # Context lengths measured; a step within them uses the nearest one below. Up to 1,024 because
 # a verify of several rows grows faster with the context than a plain step, and long prompts (a
@@ -102,6 +102,11 @@ class CostTable:
     # "measured" (stored, all proposers, REPS rounds) or "probe" (a few rounds at one context,
     # used by a run until a measured table exists, never stored).
     source: str = "measured"
+    # Token trees (engine/decode/tree.py), per bucket: one level of the draft's tree growth (a read
+    # of up to TREE_WIDTH rows and their laws), and the verify of a TREE_MAX_NODES-node tree. None:
+    # not measured (older tables, engines without trees): then no policy weighs trees on it.
+    tree_level_ms: list[float] | None = None
+    tree_verify_ms: list[float] | None = None
 
     def __post_init__(self) -> None:
         assert self.buckets == sorted(self.buckets) and self.buckets, self.buckets
@@ -183,14 +188,33 @@ class CostTable:
             ms += (k + 1) * self.row_slope() * beyond
         return ms * self._factor(k)
 
+    @property
+    def prices_trees(self) -> bool:
+        """Whether the table measured what a token tree costs (tree_level_ms, tree_verify_ms)."""
+        return self.tree_level_ms is not None and self.tree_verify_ms is not None
+
     def tree_verify_part(self, nodes: int, context_len: int) -> float:
-        """A token tree's verify of nodes + 1 rows: a chain's of as many rows where the table
-        measured one (the fused read takes the same kernels), past K_MAX + 1 rows the last
-        measured verify plus the last measured row's price per further row (modelled, not timed)."""
+        """A token tree's verify of nodes + 1 rows: a chain's of as many rows up to K_MAX + 1 (the
+        fused read takes the same kernels), then along the line to the measured verify of a
+        TREE_MAX_NODES-node tree (past it, or without it, the last measured row's price per row)."""
         if nodes <= K_MAX:
             return self.verify_part(nodes, context_len)
-        last, before = self.verify_part(K_MAX, context_len), self.verify_part(K_MAX - 1, context_len)
-        return last + (nodes - K_MAX) * max(last - before, 0.0)
+        last = self.verify_part(K_MAX, context_len)
+        if self.tree_verify_ms is not None:
+            far = max(self._at(self.tree_verify_ms, context_len) * self._factor(K_MAX), last)
+            return last + (far - last) * (nodes - K_MAX) / (TREE_MAX_NODES - K_MAX)
+        return last + (nodes - K_MAX) * max(last - self.verify_part(K_MAX - 1, context_len), 0.0)
+
+    def tree_step_ms(self, nodes: int, levels: int, context_len: int) -> float:
+        """A token tree's step: the draft's `levels` reads and the tree's verify."""
+        return self.tree_draft_part(levels, context_len) + self.tree_verify_part(nodes, context_len)
+
+    def tree_draft_part(self, levels: int, context_len: int) -> float:
+        """The drafting share of tree_step_ms (what replay charges the draft): `levels` measured
+        levels of its growth, or without them as many drafted tokens."""
+        if self.tree_level_ms is None:
+            return self.draft_part(levels, context_len)
+        return levels * self._at(self.tree_level_ms, context_len) * self._factor(1)
 
     def row_slope(self) -> float:
         """ms per verified row per token of context past the last bucket: the median over k of
@@ -247,7 +271,9 @@ class CostTable:
                                                     cat(c.warm_read_ms, theirs[n].warm_read_ms))
                                        for n, c in self.proposer_costs.items() if n in theirs},
                        proposer_factor={n: f for n, f in self.proposer_factor.items() if n in theirs},
-                       spread=_worst(self.spread, more.spread), busy=_worst(self.busy, more.busy))
+                       spread=_worst(self.spread, more.spread), busy=_worst(self.busy, more.busy),
+                       tree_level_ms=cat(self.tree_level_ms, more.tree_level_ms),
+                       tree_verify_ms=cat(self.tree_verify_ms, more.tree_verify_ms))
 
     @classmethod
     def from_rows(cls, rows: list[dict]) -> "CostTable":
@@ -285,7 +311,8 @@ class CostTable:
                    float(first["fill_ms"]) if _given(first.get("fill_ms")) else None,
                    per_bucket("cold_read_ms"), per_bucket("warm_read_ms"), others, own,
                    float(first["spread"]) if _given(first.get("spread")) else None,
-                   float(first["busy"]) if _given(first.get("busy")) else None)
+                   float(first["busy"]) if _given(first.get("busy")) else None,
+                   tree_level_ms=per_bucket("tree_level_ms"), tree_verify_ms=per_bucket("tree_verify_ms"))
 
     def to_rows(self, reps: int) -> list[dict]:
         """The store's `costs` rows: the draft's (with the target's costs) per bucket, then each
@@ -295,9 +322,10 @@ class CostTable:
         quality = dict(spread=self.spread, busy=self.busy)
         rows = [dict(self.key, ctx_bucket=b, proposer="draft", draft_ms=d, verify_ms=v, reps=reps,
                      step_factor=self.step_factor, prefill_ms=p, fill_ms=self.fill_ms, cold_read_ms=c, warm_read_ms=w,
-                     **quality)
-                for b, d, v, p, c, w in zip(self.buckets, self.draft_ms, self.verify_ms, self.prefill_ms or none,
-                                            self.cold_read_ms or none, self.warm_read_ms or none)]
+                     tree_level_ms=tl, tree_verify_ms=tv, **quality)
+                for b, d, v, p, c, w, tl, tv in zip(self.buckets, self.draft_ms, self.verify_ms, self.prefill_ms or none,
+                                                    self.cold_read_ms or none, self.warm_read_ms or none,
+                                                    self.tree_level_ms or none, self.tree_verify_ms or none)]
         for name, d in self.proposer_costs.items():
             rows += [dict(self.key, ctx_bucket=b, proposer=name, draft_ms=ms, verify_ms=None, reps=reps,
                           step_factor=self.proposer_factor.get(name), prefill_ms=None, fill_ms=None, cold_read_ms=c,
@@ -339,7 +367,8 @@ def monotone(table: CostTable) -> CostTable:
     return replace(table, verify_ms=verify, draft_ms=_rising(table.draft_ms), prefill_ms=_rising(table.prefill_ms),
                    cold_read_ms=_rising(table.cold_read_ms), warm_read_ms=_rising(table.warm_read_ms),
                    proposer_costs={n: DraftCost(_rising(c.ms), _rising(c.cold_read_ms), _rising(c.warm_read_ms))
-                                   for n, c in table.proposer_costs.items()})
+                                   for n, c in table.proposer_costs.items()},
+                   tree_level_ms=_rising(table.tree_level_ms), tree_verify_ms=_rising(table.tree_verify_ms))
 
 
 def is_monotone(table: CostTable) -> bool:

@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 K_MAX = 8  # longest draft any policy may ask for: the acceptance traces record L(p) up to 8
+TREE_MAX_NODES = 16  # a token tree's node budget at most: its verify reads 17 rows, which the kernels stream at once
 ALPHA_DECAY = 0.8  # EWMA weight of the past in the acceptance estimate: ~5 steps of memory
 
 
@@ -107,6 +108,9 @@ class DecodeState:
     lookahead: dict[str, int] = field(default_factory=dict)
     unread: dict[str, tuple[int, int]] = field(default_factory=dict)
     alphas: dict[str, tuple[float | None, float]] = field(default_factory=dict)
+    # The width the draft can grow token trees at in this run (its proposer and the verifier both
+    # take trees: live on torch, or a trace that holds them); 0: chains only.
+    tree_width: int = 0
 
     @property
     def last(self) -> StepRecord | None:
@@ -151,8 +155,13 @@ class AcceptanceEWMA:
     def update(self, accepted: int, drafted: int) -> None:
         if drafted == 0:
             return
-        self.hits = ALPHA_DECAY * self.hits + accepted
-        self.trials = ALPHA_DECAY * self.trials + accepted + (accepted < drafted)
+        self.add(accepted, accepted + (accepted < drafted))
+
+    def add(self, hits: int, trials: int) -> None:
+        """One step's successes out of its trials (a token tree's: tree.root_rank_hits)."""
+        if trials:
+            self.hits = ALPHA_DECAY * self.hits + hits
+            self.trials = ALPHA_DECAY * self.trials + trials
 
     @property
     def alpha(self) -> float | None:

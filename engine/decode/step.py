@@ -18,7 +18,7 @@ from engine.decode.records import (
     StepRecord,
     signal_summary,
 )
-from engine.decode.tree import DraftTree
+from engine.decode.tree import DraftTree, root_rank_hits
 
 
 class Proposer(Protocol):
@@ -93,6 +93,8 @@ def decode(proposers: dict[str, Proposer] | Proposer, verifier: Verifier, policy
         proposers = {"draft": proposers}
     policy.reset()
     acc, history = AcceptanceEWMA(), []
+    # Trees where the draft grows them and the verifier reads them (not llama.cpp's, not a trace without trees).
+    tree_width = (getattr(proposers.get("draft"), "tree_width", 0) or 0) if hasattr(verifier, "verify_tree") else 0
     by: dict[str, AcceptanceEWMA] = {}  # per proposer, over the steps it drafted
     t0 = clock()
     first = verifier.prefill(lambda offered: policy.take_reuse(offered, run.n_prompt))
@@ -109,7 +111,7 @@ def decode(proposers: dict[str, Proposer] | Proposer, verifier: Verifier, policy
                             history=history, alpha_ewma=acc.alpha, alpha_trials=acc.trials,
                             draft_unread=unread.get("draft", (0, 0)), proposers=tuple(proposers),
                             lookahead={name: p.lookahead() for name, p in proposers.items()}, unread=unread,
-                            alphas={name: (a.alpha, a.trials) for name, a in by.items()})
+                            alphas={name: (a.alpha, a.trials) for name, a in by.items()}, tree_width=tree_width)
         t0 = clock()
         action = policy.choose(state)
         k = min(action.k, remaining - 1)  # never draft past the budget: the bonus token needs a slot
@@ -132,10 +134,14 @@ def decode(proposers: dict[str, Proposer] | Proposer, verifier: Verifier, policy
         for p in proposers.values():
             p.update(n, emitted)
         name = action.proposer if drafted else ""
-        trials = tree.max_depth if tree is not None else len(drafted)  # a tree's path is at most its depth
-        acc.update(n, trials)
-        if name:
-            by.setdefault(name, AcceptanceEWMA()).update(n, trials)
+        if tree is not None:  # α: how often a reached node's first child stood (a chain's next token)
+            hits = root_rank_hits(tree.parents, tree.tokens, emitted[:n])
+            acc.add(*hits)
+            by.setdefault(name, AcceptanceEWMA()).add(*hits)
+        else:
+            acc.update(n, len(drafted))
+            if name:
+                by.setdefault(name, AcceptanceEWMA()).update(n, len(drafted))
         rec = _record(len(history), position, action, name, drafted, emitted, min(n, len(emitted)),
                       (t2 - t1, t3 - t2, t1 - t0), run)
         if tree is not None:

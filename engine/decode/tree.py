@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from engine.decode.records import DraftToken
 
 ROOT = 0  # row 0: the newest emitted token, every top-level node's parent
+TREE_WIDTH = 3  # children a node at most in the trees rakv weighs and traces record
 
 
 @dataclass
@@ -151,13 +152,21 @@ def rank_acceptance(steps: list[tuple[list[int], list[int], list[int]]], width: 
     """Per sibling rank r < width: how often the target took the rank-r child of a node the walk
     reached, among the reached nodes that had one ([q_0, …], and how many nodes were reached).
     steps: (tree_parents, draft_ids, accepted tokens) of tree steps."""
+    took, had, reached = rank_counts(steps, width)
+    return [t / h if h else 0.0 for t, h in zip(took, had)], reached
+
+
+def rank_counts(steps: list[tuple[list[int], list[int], list[int]]], width: int
+                ) -> tuple[list[int], list[int], int]:
+    """rank_acceptance's counts: per rank, the reached nodes that took that child and those that
+    had one, and the reached nodes (those with children, where the walk chose or stopped)."""
     took, had, reached = [0] * width, [0] * width, 0
     for parents, drafted, accepted in steps:
         kids: dict[int, list[int]] = {}
         for row, parent in enumerate(parents, start=1):
             kids.setdefault(parent, []).append(row)
         row = ROOT
-        for token in accepted + [None]:  # after the last accepted token the walk stops: no child taken
+        for token in list(accepted) + [None]:  # after the last accepted token the walk stops: no child taken
             children = kids.get(row, [])
             if not children:
                 break
@@ -170,7 +179,7 @@ def rank_acceptance(steps: list[tuple[list[int], list[int], list[int]]], width: 
             if nxt < width:
                 took[nxt] += 1
             row = children[nxt]
-    return [t / h if h else 0.0 for t, h in zip(took, had)], reached
+    return took, had, reached
 
 
 def static_choices(q: list[float], nodes: int, width: int, depth: int) -> list[tuple[int, ...]]:
@@ -193,3 +202,25 @@ def static_choices(q: list[float], nodes: int, width: int, depth: int) -> list[t
         if len(path) < depth:  # the first child
             heapq.heappush(frontier, (-value[path] * q[0], path + (0,)))
     return out
+
+
+def depths(parents: list[int]) -> list[int]:
+    """Each node's depth (1: a child of the root), parents before children as DraftTree keeps them."""
+    out: list[int] = []
+    for parent in parents:
+        out.append(1 + (out[parent - 1] if parent != ROOT else 0))
+    return out
+
+
+def tree_levels(parents: list[int], nodes: int, cap: int) -> int:
+    """Draft reads a grown tree of `nodes` cost (oracles/tree_growth.py): one a level, a level past
+    the deepest it used, at most `nodes` and `cap` (K_MAX) levels."""
+    return min(max(depths(parents), default=0) + 1, nodes, cap)
+
+
+def root_rank_hits(parents: list[int], drafted: list[int], accepted: list[int]) -> tuple[int, int]:
+    """(nodes the walk reached that took their first child, nodes the walk reached that had one):
+    a tree step's evidence on the draft's per-token acceptance α (a chain's next token is its
+    first child)."""
+    took, had, _ = rank_counts([(parents, drafted, accepted)], 1)
+    return took[0], had[0]

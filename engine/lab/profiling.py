@@ -19,8 +19,8 @@ import torch
 from engine.base.helpers import median_ms
 from engine.decode.costs import CONTEXT_BUCKETS, REPS, WARMUP, CostTable, DraftCost, buckets_for, monotone, reps_at
 from engine.decode.policies import K_MAX, make_policy
-from engine.decode.policies.fixed import TREE_MAX_NODES
-from engine.decode.records import UNBOUNDED, DraftToken
+from engine.decode.records import TREE_MAX_NODES, UNBOUNDED, DraftToken
+from engine.decode.tree import ROOT, TREE_WIDTH, DraftTree, tree_levels
 from engine.lab.generation import GenConfig, Generation, encode_prompt
 from engine.lab.timing import SPREAD_LIMIT, MachineBusy, Neighbours, busy_limit, timed_medians
 from engine.oracles import PROPOSERS, available, build, draft_head, target_verifier
@@ -35,7 +35,7 @@ from engine.runtime.prefix.cache import fill, kv_of
 # The draft's token tree a trace records at each position: the largest node budget a tree policy
 # takes, at one width; a tree:N×TRACE_TREE_WIDTH policy replays the first N rows of it.
 TRACE_TREE_NODES = TREE_MAX_NODES
-TRACE_TREE_WIDTH = 3
+TRACE_TREE_WIDTH = TREE_WIDTH
 
 
 @dataclass
@@ -202,6 +202,8 @@ def _measure_costs(pair: ModelPair, buckets: tuple[int, ...], reps: int, progres
     sampler = Sampler(0.0, 1.0, None, dev)
     sync = lambda: sync_device(dev)  # noqa: E731
     draft_ms, verify_ms, prefill_ms, cold_read_ms, warm_read_ms = [], [], [], [], []
+    tree_level_ms: list[float] = []
+    tree_verify_ms: list[float] = []
     other_ms: dict[str, list[list[float]]] = {n: [] for n in others}  # per bucket: (cold, draft, warm) propose ms
     spreads: list[float] = []
     reads = target_reads(pair, kv_tier)
@@ -233,6 +235,8 @@ def _measure_costs(pair: ModelPair, buckets: tuple[int, ...], reps: int, progres
                  (lambda: prefill(ids[:b]), None), (lambda: draft_read(pair, ids[:b], None, head), None), (warm_read, None)]
         for d in driven:  # a fresh one's first draft, one after a verify, one after WARM_STEPS plain steps
             timed += [(d.propose, d.step), (d.propose, lambda d=d: d.step(WARM_STEPS)), (d.propose, d.fresh)]
+        if rig.trees:  # the draft growing a tree (per level, below), the target verifying a 16-node one
+            timed += [(rig.grow_tree, None), (rig.verify_tree, None)]
         n = reps_at(b, reps)
         few = long_rounds(n, WARMUP)
         t = timed_medians(timed, n, WARMUP, sync, rounds_of=lambda i: few if i in (K_MAX + 2, K_MAX + 3) else None)
@@ -250,6 +254,9 @@ def _measure_costs(pair: ModelPair, buckets: tuple[int, ...], reps: int, progres
         warm_read_ms.append(ms[K_MAX + 4] / K_MAX)
         for i, name in enumerate(others):
             other_ms[name].append(ms[K_MAX + 5 + 3 * i : K_MAX + 8 + 3 * i])
+        if rig.trees:
+            tree_level_ms.append(ms[-2] / rig.levels)
+            tree_verify_ms.append(ms[-1])
     fill_ms = None  # llama.cpp keeps no prefix cache: nothing is ever filled from one
     if pair.engine == "torch":
         stored = kv_of(verifier.cache, buckets[-1])
@@ -257,7 +264,8 @@ def _measure_costs(pair: ModelPair, buckets: tuple[int, ...], reps: int, progres
     return monotone(CostTable(list(buckets), draft_ms, verify_ms, _table_key(pair, kv_tier), prefill_ms=prefill_ms, fill_ms=fill_ms,
                               cold_read_ms=cold_read_ms, warm_read_ms=warm_read_ms,
                               proposer_costs={n: _draft_cost(per_bucket) for n, per_bucket in other_ms.items()},
-                              spread=max(spreads)))
+                              spread=max(spreads), tree_level_ms=tree_level_ms or None,
+                              tree_verify_ms=tree_verify_ms or None))
 
 
 # A probe's verify lengths (the rest interpolated) and rounds: about two seconds for the embedded
@@ -281,19 +289,25 @@ def probe_costs(pair: ModelPair, kv_tier: str = "native") -> CostTable:
     others = [n for n in available(pair) if n != "draft"]
     driven = [_Driven(pair, name, ids[:b], sampler, kv_tier) for name in others]
     timed = [(draft_one, rig.settle), *((lambda k=k: verify(k), None) for k in PROBE_KS), *((d.propose, d.step) for d in driven)]
+    if rig.trees:
+        timed += [(rig.grow_tree, None), (rig.verify_tree, None)]
     t = timed_medians(timed, PROBE_REPS, 1, lambda: sync_device(dev), spread_limit=float("inf"))
+    trees = dict(tree_level_ms=[t.medians[-2] / rig.levels], tree_verify_ms=[t.medians[-1]]) if rig.trees else {}
     at = dict(zip(PROBE_KS, t.medians[1 : 1 + len(PROBE_KS)]))
     verify_ms = [float(np.interp(k, list(at), list(at.values()))) for k in range(K_MAX + 1)]
     key = _table_key(pair, kv_tier)
-    drafts = t.medians[1 + len(PROBE_KS):]
+    drafts = t.medians[1 + len(PROBE_KS):][: len(others)]
     return monotone(CostTable([b], [t.medians[0]], [verify_ms], key, spread=t.spread, source="probe",
-                              proposer_costs={n: DraftCost([ms]) for n, ms in zip(others, drafts)}))
+                              proposer_costs={n: DraftCost([ms]) for n, ms in zip(others, drafts)}, **trees))
 
 
 def _table_key(pair: ModelPair, kv_tier: str) -> dict:
     """What a cost table is measured for (service.costs.tables.cost_key's fields)."""
     return dict(device=pair_device(pair), target=pair.target_name, draft=pair.draft_name,
                 target_tier=pair.target_tier, draft_tier=pair.draft_tier, kv_tier=kv_tier)
+
+
+TREE_GROWN = 8  # the node budget of the tree whose growth a cost table times per level
 
 
 class _Bucket:
@@ -309,10 +323,30 @@ class _Bucket:
         self.verifier.prefill()
         self.verifier.rewind(b + 1)
         self.proposer.update(0, self.ids[b : b + 1])
+        self.vocab, self.levels = pair.vocab_size, 1  # levels: those of the last grow_tree
 
     def draft_one(self) -> None:
         self.proposer.propose(1, _always)
         self.proposer.rewind(self.b, self.ids[self.b : self.b + 1])
+
+    @property
+    def trees(self) -> bool:
+        """Whether this pair grows and verifies token trees (the torch engine, a draft whose cache reads them)."""
+        return self.proposer.tree_width > 0 and hasattr(self.verifier, "verify_tree")
+
+    def grow_tree(self) -> None:
+        """The draft grows a tree of TREE_GROWN nodes (`levels` reads: the figure is divided by them)."""
+        tree = self.proposer.propose_tree(TREE_GROWN, self.proposer.tree_width)
+        self.levels = tree_levels(tree.parents, TREE_GROWN, K_MAX)
+
+    def verify_tree(self) -> None:
+        """The target reads a bushy tree of TREE_MAX_NODES nodes, two children a node."""
+        tree = DraftTree()
+        for i in range(TREE_MAX_NODES):
+            token = (self.ids[self.b] + 1 + i) % self.vocab  # siblings differ
+            tree.add(ROOT if i < 2 else (i - 2) // 2 + 1, DraftToken(token, 0.0, 0.0), "draft")
+        self.verifier.verify_tree(tree)
+        self.verifier.rewind(self.b + 1)
 
     def verify(self, k: int) -> None:
         self.verifier.verify([DraftToken(x, 0.0, 0.0) for x in self.ids[self.b + 1 : self.b + 1 + k]])

@@ -10,7 +10,7 @@ import torch
 
 from engine.decode.records import UNBOUNDED, DraftToken
 from engine.decode.step import draft_tokens
-from engine.decode.tree import ROOT, DraftTree, budget_tree_shape
+from engine.decode.tree import ROOT, TREE_WIDTH, DraftTree, budget_tree_shape
 from engine.oracles.sampling import Sampler, draft_signals
 from engine.oracles.tree_growth import grow
 from engine.runtime import invariance
@@ -60,6 +60,9 @@ class DraftModelProposer:
         self.pending: list[int] = []  # context tokens not read yet, ending at the newest one
         self._kept = 0  # cache length before the last proposal's drafted tokens
         self._drafted = 0
+        # The width its token trees take for a policy that chooses their shape; 0 where its cache
+        # cannot read trees (a sliding-window or recurrent draft).
+        self.tree_width = TREE_WIDTH if isinstance(new_cache(pair.draft), GrowingCache) else 0
 
     @property
     def unread(self) -> tuple[int, int]:

@@ -12,7 +12,7 @@ from typing import Callable
 from engine.decode.costs import CostTable
 from engine.decode.records import K_MAX, UNBOUNDED, DraftToken
 from engine.decode.step import ModelledClock, draft_tokens
-from engine.decode.tree import ROOT, DraftTree
+from engine.decode.tree import ROOT, DraftTree, tree_levels
 
 # How the live proposers' `unread` moves, which replay follows. Both read lazily: the prompt at
 # their first draft, then what was emitted since they last read. "draft": the draft model read
@@ -32,7 +32,7 @@ class TraceProposer:
                  clock: ModelledClock | None = None, name: str = "draft", tree_width: int | None = None) -> None:
         self.at = positions  # position → this proposer's trace_positions row
         self.name = name
-        self.tree_width = tree_width  # the width of the trees the trace holds (None: none)
+        self.tree_width = tree_width  # the width of the trees the trace holds (None: none; a policy reads 0)
         self.pos = 0  # emitted tokens so far
         self.costs, self.clock, self.n_prompt = costs, clock, n_prompt
         self.reading = READING.get(name)
@@ -85,8 +85,7 @@ class TraceProposer:
         ctx = self.n_prompt + self.pos
         if self.costs is not None and self.clock is not None:
             self.clock.now += self.costs.catchup_cost(*self.unread, ctx, self.name) or 0.0
-            levels = min(tree.max_depth + 1, nodes, K_MAX)  # the growth stops a level past the deepest it used
-            self.clock.now += self.costs.draft_part(levels, ctx, self.name)
+            self.clock.now += self.costs.tree_draft_part(tree_levels(tree.parents, nodes, K_MAX), ctx)
         self._prompt_unread, self._pending, self._drafted = 0, 1, 0  # the context read, the root pending
         return tree
 

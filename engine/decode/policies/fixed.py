@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from engine.decode.policies.base import BasePolicy
-from engine.decode.records import K_MAX, Action, DecodeState
+from engine.decode.records import K_MAX, TREE_MAX_NODES, Action, DecodeState
 
 
 class FixedPolicy(BasePolicy):
@@ -16,9 +16,6 @@ class FixedPolicy(BasePolicy):
 
     def choose(self, state: DecodeState) -> Action:
         return Action(k=self.k, proposer=self.drafter)
-
-
-TREE_MAX_NODES = 16  # a tree's verify reads nodes + 1 rows; the kernels stream up to 18 past the weights at once
 
 
 class FixedTreePolicy(BasePolicy):

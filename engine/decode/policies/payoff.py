@@ -5,7 +5,8 @@ from __future__ import annotations
 
 from engine.decode.acceptance import candidates, expected_tokens
 from engine.decode.costs import CostTable
-from engine.decode.records import UNBOUNDED, DecodeState, StepRecord
+from engine.decode.records import K_MAX, UNBOUNDED, DecodeState, StepRecord
+from engine.decode.tree import tree_levels
 
 # Plain (k = 0) steps teach an adaptive policy nothing about acceptance, so after PROBE_AFTER of
 # them in a row `speckv` and `rakv` draft one token to refresh what they know. A probe costs a
@@ -20,6 +21,13 @@ def drafted_by(rec: StepRecord) -> str:
     """The proposer that drafted a step, "" when nothing was drafted. Records from before
     proposers had names (and hand-made ones) drafted with the draft model."""
     return (getattr(rec, "proposer", "") or "draft") if rec.k_drafted else ""
+
+
+def priced(costs: CostTable, rec: StepRecord) -> float:
+    """A recorded step in the table's time: a chain's step_ms, a token tree's draft levels and verify."""
+    if getattr(rec, "tree_parents", None):
+        return costs.tree_step_ms(rec.k_drafted, tree_levels(rec.tree_parents, rec.k_drafted, K_MAX), rec.context_len)
+    return costs.step_ms(rec.k_drafted, rec.context_len, drafted_by(rec) or "draft")
 
 
 def _plain(rec: StepRecord, proposer: str | None = None) -> bool:
@@ -38,7 +46,7 @@ def _paid(run: list[StepRecord], costs: CostTable) -> bool:
     PROBE_AFTER after it, again and again on a tier where drafting barely pays. The table's time,
     not the measured one, keeps replay exact."""
     bought = run[1:]
-    ms = sum(costs.step_ms(r.k_drafted, r.context_len, drafted_by(r) or "draft") for r in bought)
+    ms = sum(priced(costs, r) for r in bought)
     plain_ms = sum(r.emitted * costs.step_ms(0, r.context_len) for r in bought)
     return bool(bought) and plain_ms > ms
 

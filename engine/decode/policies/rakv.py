@@ -18,8 +18,17 @@ import numpy as np
 from engine.decode.acceptance import expected_tokens
 from engine.decode.costs import CostTable
 from engine.decode.policies.base import BasePolicy
-from engine.decode.policies.payoff import catchup_pays, grid_for, lookahead_of, probe_due, probe_pays, reuse_that_pays
-from engine.decode.records import Action, DecodeState
+from engine.decode.policies.payoff import (
+    catchup_pays,
+    grid_for,
+    lookahead_of,
+    priced,
+    probe_due,
+    probe_pays,
+    reuse_that_pays,
+)
+from engine.decode.records import K_MAX, AcceptanceEWMA, Action, DecodeState
+from engine.decode.tree import rank_counts, static_choices
 
 # rakv's prior α0 counts as this many trials beside the EWMA's own: one accepted probe alone
 # (α = 1/1) would otherwise send it to k = 8, a gamble that costs ~5 plain steps when it fails.
@@ -36,6 +45,10 @@ ALPHA0 = 0.6
 # most frequent continuation), cut where its own estimate falls below 0.3: the same prior. A
 # feature-level head starts where a draft does.
 PRIORS = {"ngram": 0.5, "suffix": 0.5, "eagle": ALPHA0}
+# The token-tree node budgets weighed beside the draft's chains where the run grows trees
+# (DecodeState.tree_width): a tree pays where its verify of N + 1 rows costs little more than a
+# chain's and the draft is often right at its second or third guess.
+TREE_NODES = (4, 8, 16)
 
 
 def default_prior(proposer: str) -> float:
@@ -75,7 +88,7 @@ def retired(policy, state: DecodeState) -> dict[str, float]:
     missing = unpriced(costs, state)
     for r in state.history[max(seen, 1):]:
         if r.k_drafted and r.proposer and r.proposer not in missing:
-            saved = r.emitted * costs.step_ms(0, r.context_len) - costs.step_ms(r.k_drafted, r.context_len, r.proposer)
+            saved = r.emitted * costs.step_ms(0, r.context_len) - priced(costs, r)
             n, total = ledger.get(r.proposer, (0, 0.0))
             ledger[r.proposer] = (n + 1, total + saved)
     policy._ledger = (len(state.history), ledger)
@@ -172,6 +185,7 @@ class RakvPolicy(BasePolicy):
         if proposers is not None:  # the spec's `@proposer`; otherwise whatever the parser sets (None: all)
             self.proposers = proposers
         self._last: dict[str, tuple] = {}  # per proposer: (inputs, (k, ms/token)); plain streaks repeat them
+        self._ranks: list[AcceptanceEWMA] = []  # per sibling rank ≥ 1: how often a reached node's rank-r child stood
 
     def prior(self, proposer: str) -> float:
         return self.priors.get(proposer, self.alpha0)
@@ -186,6 +200,12 @@ class RakvPolicy(BasePolicy):
         alphas = {p: blended(*acceptance(state, p), self.prior(p)) for p in names}
         plain_ms = self.costs.step_ms(0, state.context_len)
         best = {p: self._best(state, p, alphas[p]) for p in names}  # (k, ms/token) each
+        chain = best.get("draft")
+        tree = self._best_tree(state, alphas["draft"]) if "draft" in names else None
+        if tree is not None and tree[1] < chain[1]:  # a token tree beats the draft's best chain (or plain)
+            best["draft"] = tree[:2]
+        else:
+            tree = None
         ranked = sorted((p for p in names if best[p][0]), key=lambda p: best[p][1])  # stable: run order on ties
         winner = ranked[0] if ranked else None
         probe = choose_probe(self.costs, state, names, winner, self.prior, best[winner][1] if winner else math.inf)
@@ -202,9 +222,53 @@ class RakvPolicy(BasePolicy):
             return Action(k=0, proposer=idle(state))
         winner = ranked[0]
         k, ms = best[winner]
+        if winner == "draft" and tree is not None:
+            chained = f"{chain[1]:.1f} for a chain of {chain[0]}, " if chain[0] else ""
+            self.why = (f"draft tree {k}×{state.tree_width}: α ≈ {alphas[winner]:.2f}, E ≈ {tree[2]:.2f} tokens a "
+                        f"verify, {ms:.1f} ms/token vs {chained}{plain_ms:.1f} plain"
+                        + (f" ({'; '.join(skipped)})" if skipped else "") + and_also(retired_why(self, state)))
+            return Action(k=k, proposer=winner, width=state.tree_width)
         self.why = (f"{winner} γ {k}: α ≈ {alphas[winner]:.2f}, {ms:.1f} ms/token vs {plain_ms:.1f} plain"
                     + (f" ({'; '.join(skipped)})" if skipped else "") + and_also(retired_why(self, state)))
         return Action(k=k, proposer=winner)
+
+    def _best_tree(self, state: DecodeState, alpha: float) -> tuple[int, float, float] | None:
+        """The draft's cheapest token tree per expected token, (nodes, ms/token, E[tokens]), where
+        the run grows trees; None where it does not or none fits. E[tokens] is the static tree's
+        (tree.static_choices: the N best rank paths under the per-rank acceptance q, q_0 = α, q_r
+        the run's own EWMA shrunk to the prior α(1 − α)^r), one more for the target's own token;
+        the price, the draft's reads a level (its depth + 1) and the verify of N + 1 rows."""
+        width = state.tree_width
+        if width < 2 or "draft" not in state.proposers:
+            return None
+        q = [alpha] + [blended(self._rank(r).alpha, self._rank(r).trials, alpha * (1 - alpha) ** r)
+                       for r in range(1, width)]
+        best = None
+        for budget in TREE_NODES:
+            nodes = min(budget, state.remaining - 1)
+            if nodes < 2:
+                continue
+            choices = static_choices(q, nodes, width, K_MAX)
+            tokens = 1.0 + sum(math.prod(q[r] for r in path) for path in choices)
+            levels = min(max(map(len, choices)) + 1, nodes, K_MAX)
+            ms = self.costs.tree_step_ms(nodes, levels, state.context_len) / tokens
+            if best is None or ms < best[1]:
+                best = (nodes, ms, tokens)
+        return best
+
+    def _rank(self, r: int) -> AcceptanceEWMA:
+        while len(self._ranks) < r:
+            self._ranks.append(AcceptanceEWMA())
+        return self._ranks[r - 1]
+
+    def observe(self, record) -> None:
+        """A token tree's step: how often each sibling rank's child stood where the walk reached it."""
+        if record.tree_parents:
+            width = max(2, len(self._ranks) + 1, max(record.tree_parents.count(p) for p in set(record.tree_parents)))
+            took, had, _ = rank_counts([(record.tree_parents, record.draft_ids, record.token_ids[: record.accepted])],
+                                       width)
+            for r in range(1, width):
+                self._rank(r).add(took[r], had[r])
 
     def _best(self, state: DecodeState, proposer: str, alpha: float) -> tuple[int, float]:
         """The cheapest k per expected token for one proposer (k = 0 first: ties stay plain)."""
@@ -229,7 +293,7 @@ class RakvPolicy(BasePolicy):
                 + (f"; {', '.join(missing)}: no costs measured" if missing else "") + and_also(retired_why(self, state)))
 
     def reset(self) -> None:
-        self._last, self._ledger = {}, (0, {})
+        self._last, self._ledger, self._ranks = {}, (0, {}), []
 
     def take_reuse(self, offered: int, n_prompt: int) -> int:
         return reuse_that_pays(self.costs, offered, n_prompt)
