@@ -59,14 +59,21 @@ def test_trace_records_the_target_output_and_draft_agreement(tiny_pair, traced):
     assert any(r["accept_len"] > 0 for t in traces for r in t.positions if r["proposer"] == "draft")  # the noisy draft agrees sometimes
 
 
+def _live_and_replayed(pair, t, spec: str, ctx):
+    """`spec` run live on a traced prompt and replayed over its trace: the same output, and step
+    for step the same (γ chosen, drafted, accepted, emitted)."""
+    live = _live(pair, t.row["prompt"], spec, ctx)
+    rep = replay(make_policy(spec, ctx), t.row, t.positions, ctx.costs)
+    assert live.token_ids == t.row["token_ids"]
+    assert rep.outcome() == [(r.k_chosen, r.k_drafted, r.accepted, r.emitted) for r in live.records[1:]]
+    return live, rep
+
+
 @pytest.mark.parametrize("spec", ["fixed:1", "fixed:3", "fixed:8", "heuristic", "threshold:0.5", "speckv", "rakv"])
 def test_replay_matches_the_live_run_step_for_step(tiny_pair, traced, spec):
     traces, ctx = traced
     for t in traces[:3]:
-        live = _live(tiny_pair, t.row["prompt"], spec, ctx)
-        rep = replay(make_policy(spec, ctx), t.row, t.positions, ctx.costs)
-        assert live.token_ids == t.row["token_ids"]
-        assert rep.outcome() == [(r.k_chosen, r.k_drafted, r.accepted, r.emitted) for r in live.records[1:]]
+        live, rep = _live_and_replayed(tiny_pair, t, spec, ctx)
         # Same features in, same decisions out: the signals of each drafted step agree exactly.
         assert [r.entropies for r in rep.steps] == [r.entropies for r in live.records]
 
@@ -78,10 +85,7 @@ def test_replay_of_a_tree_policy_matches_the_live_run_step_for_step(tiny_pair, t
     Replay prices the tree's draft levels and its verify from the chain table."""
     traces, ctx = traced
     for t in traces[:3]:
-        live = _live(tiny_pair, t.row["prompt"], spec, ctx)
-        rep = replay(make_policy(spec, ctx), t.row, t.positions, ctx.costs)
-        assert live.token_ids == t.row["token_ids"]
-        assert rep.outcome() == [(r.k_chosen, r.k_drafted, r.accepted, r.emitted) for r in live.records[1:]]
+        live, rep = _live_and_replayed(tiny_pair, t, spec, ctx)
         assert [(r.tree_parents, r.draft_ids) for r in rep.steps] == [(r.tree_parents, r.draft_ids) for r in live.records]
         assert rep.decode_ms > 0
     drafts = [r for t in traces for r in t.positions if r["proposer"] == "draft"]
@@ -118,9 +122,7 @@ def test_rakv_that_drafts_trees_replays_as_it_ran(tiny_pair, traced):
     tctx = dataclasses.replace(ctx, costs=cheap)
     chose = 0
     for t in traces[:3]:
-        live = _live(tiny_pair, t.row["prompt"], "rakv", tctx)
-        rep = replay(make_policy("rakv", tctx), t.row, t.positions, tctx.costs)
-        assert rep.outcome() == [(r.k_chosen, r.k_drafted, r.accepted, r.emitted) for r in live.records[1:]]
+        live, rep = _live_and_replayed(tiny_pair, t, "rakv", tctx)
         assert [r.tree_parents for r in rep.steps] == [r.tree_parents for r in live.records]
         chose += sum(1 for r in live.records if r.tree_parents)
     assert chose > 0

@@ -324,57 +324,61 @@ def test_the_lean_tree_read_is_hfs_masked_read_bit_for_bit(wide_dirs, tier):
     for a tree of 18 nodes (past one tile of rows, up to the streamed reads' limit)."""
     from engine.decode.records import DraftToken
     from engine.decode.tree import ROOT, DraftTree
-    from engine.runtime.forward import TARGET_BODY, crop_to, forward_logits, forward_tree_logits
-    from engine.runtime.kv.cache import new_cache
+    from engine.runtime.forward import TARGET_BODY, forward_tree_logits
     from engine.runtime.models import load_model
 
     model = load_model(str(wide_dirs[0]), tier, torch.device("cpu"))
     if tier in ("fp32", "bf16"):
         rowdot.convert(model, tier)
-    lean = getattr(model, TARGET_BODY)
     tree = DraftTree()
     for i in range(18):  # two children a node, breadth first
         tree.add(ROOT if i < 2 else (i - 2) // 2 + 1, DraftToken(20 + i, 0.0, 1.0), "draft")
-    outs = {}
+    def read(cache, start: int) -> list[torch.Tensor]:
+        logits, _ = forward_tree_logits(model, [7] + tree.tokens, cache, tree.mask(), tree.positions(start))
+        return [logits] + [layer.keys[..., : cache.get_seq_length(), :].clone() for layer in cache.layers]
+
+    outs = _fused_and_hf(model, TARGET_BODY, read)
+    assert all(torch.equal(a, b) for a, b in zip(outs["hf"], outs["lean"]))
+
+
+def _fused_and_hf(model, attr: str, read) -> dict[str, list[torch.Tensor]]:
+    """read(cache, start) after a 40-token context, on the fused body (`attr`) and on HF's
+    modules (the attribute taken away, then put back), the cache cropped back after each."""
+    from engine.runtime.forward import crop_to, forward_logits
+    from engine.runtime.kv.cache import new_cache
+
+    lean, outs = getattr(model, attr), {}
     with torch.inference_mode():
         _, cache = forward_logits(model, list(range(5, 45)), new_cache(model), 1)
         start = cache.get_seq_length()
-        for name in ("lean", "hf"):
-            if name == "hf":
-                delattr(model, TARGET_BODY)
-            logits, _ = forward_tree_logits(model, [7] + tree.tokens, cache, tree.mask(), tree.positions(start))
-            outs[name] = [logits] + [layer.keys[..., : cache.get_seq_length(), :].clone() for layer in cache.layers]
-            crop_to(cache, start)
-    setattr(model, TARGET_BODY, lean)
-    assert all(torch.equal(a, b) for a, b in zip(outs["hf"], outs["lean"]))
+        try:
+            for name in ("lean", "hf"):
+                if name == "hf":
+                    delattr(model, attr)
+                outs[name] = read(cache, start)
+                crop_to(cache, start)
+        finally:
+            setattr(model, attr, lean)
+    return outs
 
 
 def test_a_tree_level_read_after_cached_levels_is_hfs_masked_read(wide_dirs):
     """A draft grows a tree level by level, earlier levels kept in its cache ([S, T] masks, T > S):
     the fused body's states equal HF's masked read of the same rows, bit for bit."""
     from engine.runtime import row_llama
-    from engine.runtime.forward import BODY, crop_to, forward_logits, forward_tree_states
-    from engine.runtime.kv.cache import new_cache
+    from engine.runtime.forward import BODY, forward_tree_states
     from engine.runtime.models import load_model
 
     model = load_model(str(wide_dirs[0]), "fp32", torch.device("cpu"))
     rowdot.convert(model, "fp32")
     assert row_llama.install(model, draft=True)
-    lean = getattr(model, BODY)
     # level 0: the root; level 1: two children of the root; level 2: a child of each, over the cache
     reads = [([7], [[True]], [0]), ([20, 21], [[True, True, False], [True, False, True]], [1, 1]),
              ([30, 31], [[True, True, False, True, False], [True, False, True, False, True]], [2, 2])]
-    outs = {}
-    with torch.inference_mode():
-        _, cache = forward_logits(model, list(range(5, 45)), new_cache(model), 1)
-        start = cache.get_seq_length()
-        for name in ("lean", "hf"):
-            if name == "hf":
-                delattr(model, BODY)
-            outs[name] = []
-            for ids, allowed, depth in reads:
-                outs[name] += forward_tree_states(model, ids, cache, allowed, [start + d for d in depth],
-                                                  list(range(len(ids))))
-            crop_to(cache, start)
-    setattr(model, BODY, lean)
+
+    def read(cache, start: int) -> list[torch.Tensor]:
+        return [h for ids, allowed, depth in reads for h in forward_tree_states(
+            model, ids, cache, allowed, [start + d for d in depth], list(range(len(ids))))]
+
+    outs = _fused_and_hf(model, BODY, read)
     assert len(outs["lean"]) == 5 and all(torch.equal(a, b) for a, b in zip(outs["hf"], outs["lean"]))

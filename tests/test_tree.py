@@ -313,7 +313,7 @@ def test_a_tree_policy_run_emits_what_hf_generate_does(tiny_pair, policy):
 def test_tree_growth_takes_the_best_paths_by_cumulative_probability():
     """EAGLE-2's rule on a known law: level by level the most likely children; then the nodes of
     highest path probability, each after its parent and its earlier siblings."""
-    from engine.oracles.tree_growth import grow, subtree
+    from engine.oracles.tree_growth import grow
 
     vocab = 6
     laws = {(): [0.5, 0.3, 0.2, 0, 0, 0], (0,): [0, 0, 0, 0.9, 0.1, 0], (1,): [0, 0, 0, 0, 0.6, 0.4],
@@ -332,8 +332,6 @@ def test_tree_growth_takes_the_best_paths_by_cumulative_probability():
     assert [tree.tokens[r - 1] for r in tree.path(tree.size)] and tree.size == 4
     paths = sorted(tuple(tree.tokens[a - 1] for a in tree.path(r)) for r in range(1, 5))
     assert paths == [(0,), (0, 3), (0, 3, 0), (1,)]
-    sub, at = subtree(tree, [3])
-    assert [sub.tokens[r - 1] for r in sub.path(at[0])] == [tree.tokens[r - 1] for r in tree.path(3)]
 
 
 def test_a_tree_policy_with_a_sampling_run_is_reproducible_and_stored(tiny_pair, tmp_path):
@@ -404,12 +402,11 @@ def test_a_grown_tree_of_n_nodes_is_the_first_n_rows_of_a_larger_one():
         assert levels[1] == 1 and levels[2] <= levels[16] and levels[16] <= 8
 
 
-def test_rank_paths_acceptance_by_rank_and_the_static_tree_they_give():
-    """A tree in EAGLE/Medusa's rank-path form; how often the target took each rank's child of a
-    reached node; the N best rank paths under those rates, each after its parent and lower ranks."""
-    from engine.decode.tree import rank_acceptance, rank_paths, static_choices
+def test_acceptance_by_rank_and_the_static_tree_it_gives():
+    """How often the target took each rank's child of a reached node; the N best rank paths (EAGLE's
+    tree_choices form) under those rates, each after its parent and lower ranks."""
+    from engine.decode.tree import rank_acceptance, static_choices
 
-    assert rank_paths([0, 0, 1, 1, 2]) == [(0,), (1,), (0, 0), (0, 1), (1, 0)]
     steps = [([0, 0, 1, 1, 2], [5, 6, 7, 8, 7], [6, 7]),  # root → rank 1 → its rank 0 → a leaf
              ([0, 0], [1, 2], [])]  # root reached, nothing taken
     assert rank_acceptance(steps, 3) == ([1 / 3, 1 / 2, 0.0], 3)

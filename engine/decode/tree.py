@@ -136,18 +136,6 @@ def budget_tree_shape(nodes: int, width: int, vocab: int) -> None:
         raise ValueError(f"a tree's width must be from 1 to the vocabulary ({vocab}), got {width}")
 
 
-def rank_paths(parents: list[int]) -> list[tuple[int, ...]]:
-    """Each node's path of sibling ranks from the root (rank r: the parent's (r + 1)-th child in
-    row order): the form EAGLE's `tree_choices` and Medusa's `medusa_choices` list a tree in."""
-    paths: list[tuple[int, ...]] = []
-    seen: dict[int, int] = {}  # parent row → children so far
-    for parent in parents:
-        rank = seen.get(parent, 0)
-        seen[parent] = rank + 1
-        paths.append((paths[parent - 1] if parent != ROOT else ()) + (rank,))
-    return paths
-
-
 def rank_acceptance(steps: list[tuple[list[int], list[int], list[int]]], width: int) -> tuple[list[float], int]:
     """Per sibling rank r < width: how often the target took the rank-r child of a node the walk
     reached, among the reached nodes that had one ([q_0, …], and how many nodes were reached).

@@ -76,12 +76,3 @@ def _select(cand: DraftTree, cum: dict[int, float], nodes: int) -> DraftTree:
             heapq.heappush(frontier, (-cum[kids[row][0]], kids[row][0]))
     return out
 
-
-def subtree(tree: DraftTree, rows: list[int]) -> tuple[DraftTree, list[int]]:
-    """The rows of `tree` on the paths to `rows` (their ancestors and themselves), as a tree of its
-    own, and where `rows` went in it: what a model reads to score `rows`."""
-    keep = sorted({a for r in rows for a in tree.path(r)})
-    out, at = DraftTree(), {ROOT: ROOT}
-    for r in keep:
-        at[r] = out.add(at[tree.parent(r)], tree.drafts[r - 1], tree.proposers[r - 1])
-    return out, [at[r] for r in rows]
