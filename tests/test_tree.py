@@ -141,6 +141,31 @@ def test_tree_sampling_emits_the_target_law(widths, fixed):
     assert _chi2_pvalue(pairs, joint) > 1e-3
 
 
+@pytest.mark.parametrize("nodes,width", [(4, 2), (6, 3)])
+def test_trees_grown_as_runs_grow_them_emit_the_target_law(nodes, width):
+    """The proposer's growth (oracles/tree_growth.grow: children drawn without replacement, the
+    best nodes kept by path probability, siblings in draw order) then multi-draft sampling: the
+    first two emitted tokens follow q(x1)·q(x2 | x1), by χ²."""
+    from engine.oracles.tree_growth import grow
+
+    q, p = _laws(5)
+    sampler = Sampler(1.0, 1.0, 13, torch.device("cpu"))
+    last, pairs, N = 1, [], 6000
+
+    def read(tree, rows):  # the draft's law after each row's last token
+        return torch.stack([p[tree.tokens[r - 1] if r != ROOT else last] for r in rows])
+
+    for _ in range(N):
+        tree = grow(read, nodes, width, sampler, "draft")
+        rows = [last] + tree.tokens
+        path, bonus = tree_sample(tree, q[torch.tensor(rows)], sampler.gen)
+        out = [tree.tokens[r - 1] for r in path] + [bonus]
+        if len(out) == 1:
+            out.append(int(torch.multinomial(q[out[0]], 1, generator=sampler.gen)))
+        pairs.append(out[0] * V + out[1])
+    assert _chi2_pvalue(pairs, (q[last][:, None] * q).reshape(-1)) > 1e-3
+
+
 # -- one target read of a tree (engine/oracles/target.py verify_tree) ------------------------------------
 def _verifier(pair, prompt: list[int], kv_tier: str = "native"):
     from engine.oracles.target import TargetVerifier

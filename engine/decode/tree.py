@@ -170,6 +170,12 @@ def rank_counts(steps: list[tuple[list[int], list[int], list[int]]], width: int
     return took, had, reached
 
 
+def geometric_ranks(alpha: float, width: int) -> list[float]:
+    """Per-rank acceptance where nothing measured it: rank r's child taken with α(1 − α)^r (rank 0
+    is a chain's next token, taken with α; each lower rank's miss leaves the rest)."""
+    return [alpha * (1 - alpha) ** r for r in range(width)]
+
+
 def static_choices(q: list[float], nodes: int, width: int, depth: int) -> list[tuple[int, ...]]:
     """The static tree of `nodes` rank paths that a draft's trees are best read as where an engine
     takes a fixed tree: best first by Π q[rank] along the path (q[r]: the chance the target takes a

@@ -1,4 +1,5 @@
-"""Growing a token tree from a model's laws: EAGLE-2's dynamic tree, in whole levels.
+"""Growing a token tree from a model's laws: EAGLE-2's dynamic tree, in whole levels (greedy
+decoding; sampling fixes the shape first, `grow_static`).
 
 Expansion: the model reads level d's nodes in one tree read (each row after its own path) and
 each gets `width` children, the law's most likely tokens (greedy) or draws from it without
@@ -20,8 +21,12 @@ from typing import Callable
 import torch
 
 from engine.decode.records import K_MAX, DraftToken
-from engine.decode.tree import ROOT, DraftTree
+from engine.decode.tree import ROOT, DraftTree, geometric_ranks, static_choices
 from engine.oracles.sampling import Sampler, draft_signals
+
+# The per-token acceptance a sampled tree's fixed shape is laid out for (rank r's child taken with
+# α(1 − α)^r): it sets how bushy the tree is, never what it emits.
+SHAPE_ALPHA = 0.6
 
 
 def _children(law: torch.Tensor, width: int, sampler: Sampler) -> list[int]:
@@ -35,6 +40,39 @@ def _children(law: torch.Tensor, width: int, sampler: Sampler) -> list[int]:
 
 def grow(read: Callable[[DraftTree, list[int]], torch.Tensor], nodes: int, width: int, sampler: Sampler,
          proposer: str) -> DraftTree:
+    """A tree of at most `nodes` nodes under the laws `read` gives: EAGLE-2's dynamic tree when
+    greedy (`grow_dynamic`), a shape fixed before any draw when sampling (`grow_static`)."""
+    if sampler.greedy:
+        return grow_dynamic(read, nodes, width, sampler, proposer)
+    return grow_static(read, nodes, width, sampler, proposer)
+
+
+def grow_static(read: Callable[[DraftTree, list[int]], torch.Tensor], nodes: int, width: int, sampler: Sampler,
+                proposer: str) -> DraftTree:
+    """Sampling: which nodes a tree holds must not depend on the tokens drawn, or a kept child
+    would not follow the law multi-draft sampling divides by (a child kept for its high
+    probability is not a draw from p: tests/test_tree.py's χ² sees it). So the shape is fixed first,
+    the `nodes` best rank paths under the geometric prior (tree.static_choices), and each node's
+    children are drawn from its law without replacement, level by level, one draft read a level."""
+    shape = static_choices(geometric_ranks(SHAPE_ALPHA, width), nodes, width, K_MAX)
+    tree, at = DraftTree(), {(): ROOT}  # rank path → row
+    for depth in range(1, max(map(len, shape), default=0) + 1):
+        wanted: dict[tuple[int, ...], int] = {}  # parent path → children it takes (ranks 0 … m − 1)
+        for path in shape:
+            if len(path) == depth and path[:-1] in at:
+                wanted[path[:-1]] = wanted.get(path[:-1], 0) + 1
+        if not wanted:
+            break
+        parents = sorted(wanted, key=at.__getitem__)
+        for parent, law in zip(parents, read(tree, [at[p] for p in parents])):
+            signals = draft_signals(law)
+            for rank, token in enumerate(_children(law, wanted[parent], sampler)):
+                at[parent + (rank,)] = tree.add(at[parent], DraftToken(token, *signals, p=law), proposer)
+    return tree
+
+
+def grow_dynamic(read: Callable[[DraftTree, list[int]], torch.Tensor], nodes: int, width: int, sampler: Sampler,
+                 proposer: str) -> DraftTree:
     """A tree of at most `nodes` nodes grown under the laws `read` gives (see the module's text).
     It reads a level only while the selection may still reach it: once the best `nodes` hold no
     node of the newest level, no deeper one can enter (a node comes after its parent), so the tree

@@ -28,7 +28,7 @@ from engine.decode.policies.payoff import (
     reuse_that_pays,
 )
 from engine.decode.records import K_MAX, AcceptanceEWMA, Action, DecodeState
-from engine.decode.tree import rank_counts, static_choices
+from engine.decode.tree import geometric_ranks, rank_counts, static_choices
 
 # rakv's prior α0 counts as this many trials beside the EWMA's own: one accepted probe alone
 # (α = 1/1) would otherwise send it to k = 8, a gamble that costs ~5 plain steps when it fails.
@@ -241,8 +241,8 @@ class RakvPolicy(BasePolicy):
         width = state.tree_width
         if width < 2 or "draft" not in state.proposers:
             return None
-        q = [alpha] + [blended(self._rank(r).alpha, self._rank(r).trials, alpha * (1 - alpha) ** r)
-                       for r in range(1, width)]
+        prior = geometric_ranks(alpha, width)
+        q = [alpha] + [blended(self._rank(r).alpha, self._rank(r).trials, prior[r]) for r in range(1, width)]
         best = None
         for budget in TREE_NODES:
             nodes = min(budget, state.remaining - 1)

@@ -20,7 +20,7 @@ from engine.decode.policies import DEFAULT_POLICY, NEEDS_CONTEXT, make_policy, p
 from engine.decode.policies.fixed import parse_tree
 from engine.decode.policies.rakv import ALPHA0
 from engine.decode.records import K_MAX
-from engine.decode.tree import static_choices
+from engine.decode.tree import geometric_ranks, static_choices
 
 FILE_FORMAT = "speclab-tuned-config/1"  # the "format" key of a SpecLab config file
 
@@ -43,7 +43,7 @@ TREE = "tree"
 def prior_rank_acceptance(width: int) -> list[float]:
     """Where no stored tree step measured them: the chance the target takes a reached node's
     rank-r child, α(1 − α)^r with rakv's prior α0 for the draft (rank 0: its chain's α)."""
-    return [ALPHA0 * (1 - ALPHA0) ** r for r in range(width)]
+    return geometric_ranks(ALPHA0, width)
 
 
 def tree_shape(policy: str, q: list[float] | None = None) -> list[tuple[int, ...]]:
