@@ -448,17 +448,21 @@ def _rakv_state(width: int, alpha: float = 0.6):
                        alpha_ewma=alpha, alpha_trials=20.0, tree_width=width)
 
 
-def _table(verify0: float, per_row: float, draft_ms: float = 1.0):
+def _table(verify0: float, per_row: float, draft_ms: float = 1.0, trees: bool = True):
+    """One bucket: a verify of k + 1 rows costs verify0 + k·per_row, a tree's level 1.5 drafted
+    tokens, a 16-node tree's verify what the line gives it (`trees` False: no tree figures)."""
     from engine.decode.costs import CostTable
-    from engine.decode.records import K_MAX
+    from engine.decode.records import K_MAX, TREE_MAX_NODES
 
-    return CostTable([1], [draft_ms], [[verify0 + k * per_row for k in range(K_MAX + 1)]])
+    figures = dict(tree_level_ms=[1.5 * draft_ms], tree_verify_ms=[verify0 + TREE_MAX_NODES * per_row]) if trees else {}
+    return CostTable([1], [draft_ms], [[verify0 + k * per_row for k in range(K_MAX + 1)]], **figures)
 
 
 def test_rakv_drafts_a_tree_where_a_wide_verify_is_cheap_and_a_chain_where_it_is_not():
     """rakv weighs trees of 4, 8 and 16 nodes beside its chains where the run grows trees: with a
     verify that costs the same at 17 rows as at 1 (a GPU's) it drafts a tree and says its shape;
-    where each row costs a fifth of a plain step (a small CPU's), a chain; without trees, never one."""
+    where each row costs a fifth of a plain step (a small CPU's), a chain; without trees, or on a
+    table that did not time them, never one."""
     from engine.decode.policies.rakv import RakvPolicy
 
     flat = RakvPolicy(_table(10.0, 0.05))
@@ -469,6 +473,8 @@ def test_rakv_drafts_a_tree_where_a_wide_verify_is_cheap_and_a_chain_where_it_is
     chain = steep.choose(_rakv_state(3))
     assert chain.width == 1 and chain.k > 0
     assert RakvPolicy(_table(10.0, 0.05)).choose(_rakv_state(0)).width == 1
+    unpriced = RakvPolicy(_table(10.0, 0.05, trees=False))
+    assert unpriced._best_tree(_rakv_state(3), 0.6) is None and unpriced.choose(_rakv_state(3)).width == 1
 
 
 def test_rakv_learns_each_ranks_acceptance_from_its_tree_steps():

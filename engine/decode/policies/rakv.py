@@ -237,9 +237,10 @@ class RakvPolicy(BasePolicy):
         the run grows trees; None where it does not or none fits. E[tokens] is the static tree's
         (tree.static_choices: the N best rank paths under the per-rank acceptance q, q_0 = α, q_r
         the run's own EWMA shrunk to the prior α(1 − α)^r), one more for the target's own token;
-        the price, the draft's reads a level (its depth + 1) and the verify of N + 1 rows."""
+        the price, the draft's reads a level (its depth + 1) and the verify of N + 1 rows, from the
+        table's tree figures: a table without them (older ones, llama.cpp's) prices no tree."""
         width = state.tree_width
-        if width < 2 or "draft" not in state.proposers:
+        if width < 2 or "draft" not in state.proposers or not self.costs.prices_trees:
             return None
         prior = geometric_ranks(alpha, width)
         q = [alpha] + [blended(self._rank(r).alpha, self._rank(r).trials, prior[r]) for r in range(1, width)]
