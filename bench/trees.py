@@ -33,8 +33,7 @@ from engine.datasets.prompts import heldout
 from engine.decode.costs import CostTable
 from engine.decode.policies import PolicyContext
 from engine.decode.policies.fixed import parse_tree
-from engine.decode.records import DraftToken
-from engine.decode.tree import ROOT, DraftTree
+from engine.decode.tree import DraftTree
 from engine.lab.generation import encode_prompt
 from engine.lab.profiling import measure_costs
 from engine.oracles.sampling import Sampler
@@ -105,10 +104,7 @@ def verify_ms(pair: ModelPair, prompt: list[int], sizes: tuple[int, ...], reps: 
     reads = {"plain": lambda: forward_logits(pair.target, [root], v.cache, 1, pair.vocab_size),
              f"chain:{CHAIN}": lambda: forward_logits(pair.target, [root] + chain, v.cache, CHAIN + 1, pair.vocab_size)}
     for n in sizes:
-        tree = DraftTree()
-        for i in range(n):  # a bushy tree: two children a node, breadth first
-            parent = ROOT if i < 2 else (i - 2) // 2 + 1
-            tree.add(parent, DraftToken((7 * i + 11) % pair.vocab_size, 0.0, 1.0), "draft")
+        tree = DraftTree.bushy([(7 * i + 11) % pair.vocab_size for i in range(n)])
         reads[f"tree:{n}"] = (lambda tree=tree: forward_tree_logits(
             pair.target, [root] + tree.tokens, v.cache, tree.mask(), tree.positions(start), pair.vocab_size))
     times: dict[str, list[float]] = {k: [] for k in reads}

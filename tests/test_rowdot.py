@@ -322,17 +322,14 @@ def test_the_lean_tree_read_is_hfs_masked_read_bit_for_bit(wide_dirs, tier):
     """A token tree's read on the fused body (row_llama.TargetBody, each row over its context and
     its path) equals HF's module-by-module read of the tree under the 4-D mask, logits and cache,
     for a tree of 18 nodes (past one tile of rows, up to the streamed reads' limit)."""
-    from engine.decode.records import DraftToken
-    from engine.decode.tree import ROOT, DraftTree
+    from engine.decode.tree import DraftTree
     from engine.runtime.forward import TARGET_BODY, forward_tree_logits
     from engine.runtime.models import load_model
 
     model = load_model(str(wide_dirs[0]), tier, torch.device("cpu"))
     if tier in ("fp32", "bf16"):
         rowdot.convert(model, tier)
-    tree = DraftTree()
-    for i in range(18):  # two children a node, breadth first
-        tree.add(ROOT if i < 2 else (i - 2) // 2 + 1, DraftToken(20 + i, 0.0, 1.0), "draft")
+    tree = DraftTree.bushy([20 + i for i in range(18)])  # two children a node, breadth first
     def read(cache, start: int) -> list[torch.Tensor]:
         logits, _ = forward_tree_logits(model, [7] + tree.tokens, cache, tree.mask(), tree.positions(start))
         return [logits] + [layer.keys[..., : cache.get_seq_length(), :].clone() for layer in cache.layers]

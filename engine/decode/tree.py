@@ -34,6 +34,15 @@ class DraftTree:
         """γ tokens in a row: node i's parent is row i (the node before it, the root for the first)."""
         return cls([d.token_id for d in drafted], list(range(len(drafted))), list(drafted), [proposer] * len(drafted))
 
+    @classmethod
+    def bushy(cls, tokens: list[int], proposer: str = "draft") -> "DraftTree":
+        """Two children a node, breadth first: the tree a read of len(tokens) + 1 rows is timed or
+        tested on (siblings must differ)."""
+        tree = cls()
+        for i, t in enumerate(tokens):
+            tree.add(ROOT if i < 2 else (i - 2) // 2 + 1, DraftToken(t, 0.0, 1.0), proposer)
+        return tree
+
     def add(self, parent: int, token: DraftToken, proposer: str) -> int:
         """Appends a child of row `parent`; returns its row."""
         assert 0 <= parent <= len(self.tokens), (parent, len(self.tokens))
@@ -196,6 +205,12 @@ def static_choices(q: list[float], nodes: int, width: int, depth: int) -> list[t
         if len(path) < depth:  # the first child
             heapq.heappush(frontier, (-value[path] * q[0], path + (0,)))
     return out
+
+
+def stored_tree(parents) -> bool:
+    """Whether a stored step's or trace position's `tree_parents` holds a tree: a non-empty list or
+    array; NULL as the store hands it back (None, NaN, pandas' NA) or empty is a chain."""
+    return hasattr(parents, "__len__") and len(parents) > 0
 
 
 def depths(parents: list[int]) -> list[int]:

@@ -20,7 +20,7 @@ from engine.base.helpers import median_ms
 from engine.decode.costs import CONTEXT_BUCKETS, REPS, WARMUP, CostTable, DraftCost, buckets_for, monotone, reps_at
 from engine.decode.policies import K_MAX, make_policy
 from engine.decode.records import TREE_MAX_NODES, UNBOUNDED, DraftToken
-from engine.decode.tree import ROOT, TREE_WIDTH, DraftTree, tree_levels
+from engine.decode.tree import TREE_WIDTH, DraftTree, tree_levels
 from engine.lab.generation import GenConfig, Generation, encode_prompt
 from engine.lab.timing import SPREAD_LIMIT, MachineBusy, Neighbours, busy_limit, timed_medians
 from engine.oracles import PROPOSERS, available, build, draft_head, target_verifier
@@ -341,10 +341,7 @@ class _Bucket:
 
     def verify_tree(self) -> None:
         """The target reads a bushy tree of TREE_MAX_NODES nodes, two children a node."""
-        tree = DraftTree()
-        for i in range(TREE_MAX_NODES):
-            token = (self.ids[self.b] + 1 + i) % self.vocab  # siblings differ
-            tree.add(ROOT if i < 2 else (i - 2) // 2 + 1, DraftToken(token, 0.0, 0.0), "draft")
+        tree = DraftTree.bushy([(self.ids[self.b] + 1 + i) % self.vocab for i in range(TREE_MAX_NODES)])
         self.verifier.verify_tree(tree)
         self.verifier.rewind(self.b + 1)
 

@@ -12,7 +12,7 @@ from typing import Callable
 from engine.decode.costs import CostTable
 from engine.decode.records import K_MAX, UNBOUNDED, DraftToken
 from engine.decode.step import ModelledClock, draft_tokens
-from engine.decode.tree import ROOT, DraftTree, tree_levels
+from engine.decode.tree import DraftTree, depths, greedy_path, stored_tree, tree_levels
 
 # How the live proposers' `unread` moves, which replay follows. Both read lazily: the prompt at
 # their first draft, then what was emitted since they last read. "draft": the draft model read
@@ -73,7 +73,7 @@ class TraceProposer:
         the live draft spends it: its catch-up, then one read per level it grew."""
         row = self.at[self.pos]
         parents = row.get("tree_parents")
-        if parents is None or (isinstance(parents, float) and math.isnan(parents)) or self.tree_width is None:
+        if not stored_tree(parents) or self.tree_width is None:
             raise ValueError("this trace holds no token trees (made before them, or with a draft that grows none): "
                              "trace the prompts again (`python -m engine trace`)")
         if width != self.tree_width:
@@ -125,14 +125,11 @@ class TraceVerifier:
         return n, self._emit(self.out[self.pos : self.pos + n + 1])
 
     def verify_tree(self, tree: DraftTree) -> tuple[list[int], list[int]]:
-        """The root path whose tokens the output holds next (greedy acceptance), and its emitted tokens."""
-        row, path = ROOT, []
-        while self.pos + len(path) < len(self.out):
-            want = self.out[self.pos + len(path)]
-            row = next((c for c in tree.children(row) if tree.tokens[c - 1] == want), None)
-            if row is None:
-                break
-            path.append(row)
+        """The root path whose tokens the output holds next (greedy acceptance: the output's token
+        at a row's depth is the target's choice after it, past the output's end none), and its
+        emitted tokens."""
+        ahead = [self.pos + d for d in [0] + depths(tree.parents)]
+        path, _ = greedy_path(tree, [self.out[p] if p < len(self.out) else -1 for p in ahead])
         if self.costs is not None and self.clock is not None:
             self.clock.now += self.costs.tree_verify_part(tree.size, self.n_prompt + self.pos)
         return path, self._emit(self.out[self.pos : self.pos + len(path) + 1])

@@ -80,7 +80,7 @@ def grow_dynamic(read: Callable[[DraftTree, list[int]], torch.Tensor], nodes: in
     for N < M at the same width: one grown tree answers every node budget."""
     cand = DraftTree()  # every candidate drawn, in draw order
     cum = {ROOT: 1.0}  # row → cumulative probability of its path
-    level = [ROOT]
+    level, chosen = [ROOT], DraftTree()
     for depth in range(1, min(nodes, K_MAX) + 1):  # the depth of the level being born
         laws = read(cand, level)  # [len(level), V]
         born = []
@@ -94,7 +94,7 @@ def grow_dynamic(read: Callable[[DraftTree, list[int]], torch.Tensor], nodes: in
         if chosen.max_depth < depth:  # the newest level is not used: nor would any deeper one be
             break
         level = heapq.nlargest(width, born, key=cum.__getitem__)
-    return _select(cand, cum, nodes)
+    return chosen
 
 
 def _select(cand: DraftTree, cum: dict[int, float], nodes: int) -> DraftTree:

@@ -43,12 +43,10 @@ def forward_logits(model: torch.nn.Module, ids: list[int], cache, keep: int, voc
 
 
 def forward_tree_logits(model: torch.nn.Module, ids: list[int], cache, allowed: list[list[bool]],
-                        positions: list[int], vocab: int | None = None, rows: list[int] | None = None
-                        ) -> tuple[torch.Tensor, object]:
+                        positions: list[int], vocab: int | None = None) -> tuple[torch.Tensor, object]:
     """Reads a token tree after what `cache` holds, in one pass (engine/decode/tree.py): row r of
     `ids` attends to the whole cache and to the rows allowed[r] names, at position positions[r].
-    Returns logits [S, V] (float32) for every row ([len(rows), V] for those `rows` only: a draft
-    growing a tree scores its newest level), and the cache, which holds every row until the
+    Returns logits [S, V] (float32) for every row, and the cache, which holds every row until the
     caller keeps the accepted path (GrowingCache.keep_rows). The mask goes to attention as a 4-D
     boolean (True: attend), which HF passes through as it stands; the row-invariant attention
     kernel reads causal masks only, so invariance.py reads a tree's rows one at a time (TREE_ROWS). A
@@ -57,10 +55,8 @@ def forward_tree_logits(model: torch.nn.Module, ids: list[int], cache, allowed: 
     s = len(ids)
     allowed_rows = torch.tensor(allowed, dtype=torch.bool, device=model.device)  # [S, S]
     if (lean := getattr(model, TARGET_BODY, None)) is not None and not stock() and not torch.is_grad_enabled():
-        out = lean(ids, cache, s, (positions, allowed_rows))[0]  # row_llama.py: the fused read
-        return (out if rows is None else out[rows])[:, :vocab].float(), cache
-    keep = s if rows is None else torch.tensor(rows, device=model.device)
-    out = _tree_call(model, ids, cache, allowed_rows, positions, logits_to_keep=keep)
+        return lean(ids, cache, s, (positions, allowed_rows))[0, :, :vocab].float(), cache  # row_llama.py: fused
+    out = _tree_call(model, ids, cache, allowed_rows, positions, logits_to_keep=s)
     return out.logits[0, :, :vocab].float(), cache  # [S, V]
 
 

@@ -126,8 +126,9 @@ def _read_layers(body: torch.nn.Module, ids: list[int], cache, tree: tuple[list[
     """x [S, H] after every decoder layer (before the final norm) for `ids` read after `cache`,
     which it updates: per layer one native call before the cache's update (norm, q/k/v, rotary)
     and one after (attention, o_proj, residual, norm, gate/up, SiLU·up, down, residual).
-    tree: (position per row, allowed [S, S] bool) for a token tree's read (forward_tree_logits),
-    each row at its depth's position, attending to the cache and the rows its mask names."""
+    tree: (position per row, allowed [S, T] bool over the last T keys) for a token tree's read
+    (forward_tree_logits, forward_tree_states), each row at its depth's position, attending to the
+    keys before those and to the ones its mask names."""
     ops = _ops()
     s, past = len(ids), cache.get_seq_length()
     x = body.embed_tokens.forward(torch.tensor(ids, device=body.embed_tokens.weight.device))  # [S, H]

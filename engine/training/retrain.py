@@ -34,6 +34,7 @@ from engine.decode.acceptance import (
 )
 from engine.decode.policies.fixed import FixedPolicy
 from engine.decode.records import DecodeState
+from engine.decode.tree import stored_tree
 from engine.lab.whatif import proposals, replay
 
 TRACE_GAMMAS = (1, 2, 4, 6, 8)
@@ -54,17 +55,12 @@ def _setting(target_tier: str, kv_tier) -> str:
     return target_tier if code == 0 else f"{target_tier}+{kv_tier}"
 
 
-def _tree(parents) -> bool:
-    """A stored step that verified a token tree (its shape kept): the controllers learn chains'
-    acceptance per drafted token, which a tree's nodes do not measure."""
-    return parents is not None and not isinstance(parents, float) and parents is not pd.NA and len(parents) > 0
-
-
 def from_speckv_steps(steps: pd.DataFrame, runs: pd.DataFrame) -> Examples:
     # As the paper: γ is the chosen length, the rate is over the tokens actually drafted (the
     # last step of a run may draft fewer).
     df = steps.merge(runs[["run_id", "task", "prompt"]], on="run_id")
-    df = df[(df["k_drafted"] > 0) & ~df.get("tree_parents", pd.Series(None, index=df.index)).map(_tree)]
+    # Chains only: the controllers learn acceptance per drafted token, which a tree's nodes do not measure.
+    df = df[(df["k_drafted"] > 0) & ~df.get("tree_parents", pd.Series(None, index=df.index)).map(stored_tree)]
     x = np.column_stack([df["mean_entropy"], df["mean_confidence"], df["max_entropy"], df["min_confidence"],
                          df["target_tier"].map(compression_code), df["k_chosen"]]).astype(np.float64)
     y = (df["accepted"] / df["k_drafted"]).to_numpy(np.float64)
@@ -79,7 +75,7 @@ def from_live_steps(steps: pd.DataFrame, runs: pd.DataFrame) -> Examples:
         prev = None
         for r in st.sort_values("step").itertuples():
             # The draft model's steps only: the predictor reads its signals (an n-gram's are constant).
-            if r.k_drafted > 0 and getattr(r, "proposer", "draft") in ("draft", "") and not _tree(
+            if r.k_drafted > 0 and getattr(r, "proposer", "draft") in ("draft", "") and not stored_tree(
                     getattr(r, "tree_parents", None)):
                 if prev is not None:
                     kv = getattr(r, "kv_tier", None)

@@ -265,7 +265,7 @@ class RakvPolicy(BasePolicy):
     def observe(self, record) -> None:
         """A token tree's step: how often each sibling rank's child stood where the walk reached it."""
         if record.tree_parents:
-            width = max(2, len(self._ranks) + 1, max(record.tree_parents.count(p) for p in set(record.tree_parents)))
+            width = max(record.tree_parents.count(p) for p in set(record.tree_parents))  # its widest node's children
             took, had, _ = rank_counts([(record.tree_parents, record.draft_ids, record.token_ids[: record.accepted])],
                                        width)
             for r in range(1, width):

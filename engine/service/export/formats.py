@@ -16,7 +16,7 @@ from engine.base.names import BNB_TIERS, DATA_DIR, EMBEDDED, FALLBACK_DRAFT_TIER
 from engine.base.names import SHIPPED_DRAFT as SHIPPED_DRAFT_PATH
 from engine.decode.policies import parse_policy, split_spec
 from engine.decode.policies.fixed import parse_tree
-from engine.decode.tree import rank_acceptance
+from engine.decode.tree import rank_acceptance, stored_tree
 from engine.service.export.tuned_config import (
     FIXED,
     PLAIN,
@@ -242,7 +242,7 @@ def _measured_ranks(db: str, policy: str, width: int) -> tuple[list[float], int]
         runs = st.runs(policy=policy)
         rows = [st.steps(run_id) for run_id in runs["run_id"]] if len(runs) else []
     steps = [(list(r.tree_parents), list(r.draft_ids), list(r.token_ids)[: r.accepted])
-             for df in rows for r in df.itertuples() if r.tree_parents is not None and len(r.tree_parents)]
+             for df in rows for r in df.itertuples() if stored_tree(r.tree_parents)]
     return rank_acceptance(steps, width)
 
 
